@@ -1,0 +1,1 @@
+"""Reference models used by the CLI, the tests and the benchmarks."""

@@ -1,0 +1,125 @@
+"""A GPT decoder (pre-LN, causal attention, learned or rotary positions, optional tied
+embeddings) built on `jzero.layers.scan_layers`. Params are fp32; the training step casts them
+to the compute dtype, so the model itself has no dtype switches.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from jax.ad_checkpoint import checkpoint_name
+
+from jzero.adapters import from_linen
+from jzero.config import ConfigError, ModelConfig
+from jzero.layers import scan_layers
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = 256
+    seq_len: int = 64
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    d_ff: int = 256
+    positions: str = "learned"  # "learned" | "rotary"
+    tie_embeddings: bool = True
+    remat: str = "full"
+
+
+SIZES: dict[str, GPTConfig] = {
+    "tiny": GPTConfig(),
+    "small": GPTConfig(seq_len=128, d_model=256, n_layers=4, n_heads=4, d_ff=1024),
+    "125m": GPTConfig(vocab_size=50304, seq_len=1024, d_model=768, n_layers=12, n_heads=12, d_ff=3072),
+    "350m": GPTConfig(vocab_size=50304, seq_len=1024, d_model=1024, n_layers=24, n_heads=16, d_ff=4096),
+    "1.3b": GPTConfig(vocab_size=50304, seq_len=2048, d_model=2048, n_layers=24, n_heads=32, d_ff=8192),
+}
+
+
+def gpt_config(model: ModelConfig, remat: str = "full") -> GPTConfig:
+    """The preset ``model.size`` with the section's other keys overriding it; checked."""
+    if model.size not in SIZES:
+        raise ConfigError(f"jzero.model.size: unknown size '{model.size}'; valid: {', '.join(SIZES)}")
+    overrides = {f.name: getattr(model, f.name) for f in dataclasses.fields(GPTConfig)
+                 if hasattr(model, f.name) and getattr(model, f.name) is not None}
+    cfg = dataclasses.replace(SIZES[model.size], remat=remat, **overrides)
+    for key in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "d_ff"):
+        if getattr(cfg, key) < 1:
+            raise ConfigError(f"jzero.model.{key}: must be >= 1, got {getattr(cfg, key)}")
+    if cfg.d_model % cfg.n_heads:
+        raise ConfigError(f"jzero.model.n_heads: {cfg.n_heads} does not divide d_model {cfg.d_model}")
+    if cfg.positions == "rotary" and (cfg.d_model // cfg.n_heads) % 2:
+        raise ConfigError("jzero.model.positions: rotary needs an even head size (d_model / n_heads)")
+    return cfg
+
+
+_init = nn.initializers.normal(0.02)
+
+
+def _rotary(x: jax.Array) -> jax.Array:
+    """Rotary position embedding on (batch, seq, heads, head_dim)."""
+    t, d = x.shape[1], x.shape[-1]
+    freqs = 1.0 / (10000 ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    angles = jnp.arange(t, dtype=jnp.float32)[:, None] * freqs[None, :]
+    sin, cos = jnp.sin(angles)[None, :, None, :], jnp.cos(angles)[None, :, None, :]
+    x1, x2 = x[..., ::2].astype(jnp.float32), x[..., 1::2].astype(jnp.float32)
+    out = jnp.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).reshape(x.shape)
+    return out.astype(x.dtype)
+
+
+class Block(nn.Module):
+    cfg: GPTConfig
+
+    @nn.compact
+    def __call__(self, x):
+        cfg = self.cfg
+        b, t, d = x.shape
+        hd = d // cfg.n_heads
+        h = nn.LayerNorm(name="ln1")(x)
+        # No qkv bias: the key bias has an exactly zero gradient (softmax is shift-invariant),
+        # so Adam would only amplify rounding noise in it.
+        qkv = checkpoint_name(nn.Dense(3 * d, use_bias=False, kernel_init=_init, name="qkv")(h), "qkv")
+        q, k, v = jnp.split(qkv.reshape(b, t, 3 * cfg.n_heads, hd), 3, axis=2)
+        if cfg.positions == "rotary":
+            q, k = _rotary(q), _rotary(k)
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / jnp.sqrt(hd).astype(jnp.float32)
+        causal = jnp.tril(jnp.ones((t, t), dtype=bool))
+        probs = jax.nn.softmax(jnp.where(causal, scores, -1e30), axis=-1).astype(v.dtype)
+        attn = checkpoint_name(jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, d), "attn_out")
+        x = x + nn.Dense(d, kernel_init=_init, name="proj")(attn)
+        h = nn.LayerNorm(name="ln2")(x)
+        h = checkpoint_name(jax.nn.gelu(nn.Dense(cfg.d_ff, kernel_init=_init, name="fc")(h)), "mlp_hidden")
+        return x + nn.Dense(d, kernel_init=_init, name="out")(h)
+
+
+class GPT(nn.Module):
+    cfg: GPTConfig
+
+    @nn.compact
+    def __call__(self, tokens):
+        cfg = self.cfg
+        embed = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=_init, name="wte")
+        x = embed(tokens)
+        if cfg.positions == "learned":
+            x = x + self.param("wpe", _init, (cfg.seq_len, cfg.d_model))[: tokens.shape[1]].astype(x.dtype)
+        x = scan_layers(Block(cfg), cfg.n_layers, remat_policy=cfg.remat, name="blocks")(x)
+        x = nn.LayerNorm(name="ln_f")(x)
+        logits = embed.attend(x) if cfg.tie_embeddings else nn.Dense(cfg.vocab_size, kernel_init=_init,
+                                                                      name="head")(x)
+        return logits.astype(jnp.float32)
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean next-token cross entropy, computed in fp32."""
+    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets).mean()
+
+
+def make(cfg: GPTConfig) -> tuple[Any, Any]:
+    """(init_fn, loss_fn) for jzero.init; batches are {"inputs": (B, T), "targets": (B, T)} int32."""
+    return from_linen(GPT(cfg), jax.ShapeDtypeStruct((1, cfg.seq_len), jnp.int32),
+                      lambda logits, batch: cross_entropy(logits, batch["targets"]))

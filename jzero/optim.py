@@ -1,0 +1,186 @@
+"""The optimizer from the DeepSpeed ``optimizer`` section, as an optax transformation.
+
+Names are case-insensitive and params use DeepSpeed/torch names (lr, betas, eps, weight_decay,
+momentum, ...). Every optimizer is wrapped in `optax.inject_hyperparams`, so the lr (and
+OneCycle's momentum) follow the schedule and the lr actually applied is readable from the state.
+Gradient clipping is not part of the chain: the step computes the global norm once (it reports
+it, and later folds it into fp16 unscaling) and scales the grads before calling ``update``.
+"""
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jzero import schedules
+from jzero.config import AUTO, Config, ConfigError, OptimizerConfig
+
+# canonical type -> {param: default}; DeepSpeed's defaults (FusedAdam, FusedLamb, Lion, torch SGD).
+PARAMS: dict[str, dict[str, Any]] = {
+    "Adam": {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "adam_w_mode": True,
+             "bias_correction": True, "amsgrad": False, "torch_adam": False, "fused": "auto"},
+    "AdamW": {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "bias_correction": True,
+              "amsgrad": False, "torch_adam": False, "fused": "auto"},
+    "Lamb": {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "bias_correction": True,
+             "max_coeff": 10.0, "min_coeff": 0.01, "max_grad_norm": 0.0},
+    "Lion": {"lr": 1e-4, "betas": (0.9, 0.99), "weight_decay": 0.0},
+    "SGD": {"lr": 1e-3, "momentum": 0.0, "weight_decay": 0.0, "nesterov": False, "dampening": 0.0},
+    "Adagrad": {"lr": 1e-2, "eps": 1e-10, "weight_decay": 0.0, "initial_accumulator_value": 0.0},
+}
+# Values jzero cannot honour exactly: (param, value that is supported, why).
+RESTRICTED = {
+    "bias_correction": (True, "optax's Adam/Lamb always correct the bias"),
+    "amsgrad": (False, "AMSGrad is not wired into the ZeRO step"),
+    "dampening": (0.0, "SGD dampening has no optax equivalent"),
+    "max_grad_norm": (0.0, "use the top-level gradient_clipping key"),
+}
+
+
+class Optimizer(NamedTuple):
+    tx: optax.GradientTransformation
+    schedules: schedules.Schedules
+
+
+def canonical_name(name: str) -> str:
+    by_lower = {k.lower(): k for k in PARAMS}
+    if name.lower() not in by_lower:
+        close = difflib.get_close_matches(name.lower(), by_lower, n=1, cutoff=0.5)
+        hint = f"did you mean '{by_lower[close[0]]}'? " if close else ""
+        raise ConfigError(f"optimizer.type: unknown optimizer '{name}'; {hint}valid: {', '.join(PARAMS)}")
+    return by_lower[name.lower()]
+
+
+def resolve_params(opt: OptimizerConfig) -> dict[str, Any]:
+    """Validated params with DeepSpeed's defaults filled in; raises ConfigError naming the key."""
+    name = canonical_name(opt.type)
+    table = PARAMS[name]
+    out = dict(table)
+    for key, value in opt.params.items():
+        where = f"optimizer.params.{key}"
+        if key not in table:
+            close = difflib.get_close_matches(key, table, n=1)
+            hint = f"did you mean '{close[0]}'? " if close else ""
+            raise ConfigError(f"{where}: unknown key for {name}; {hint}valid keys: {', '.join(table)}")
+        if value == AUTO:
+            raise ConfigError(f"{where}: 'auto' has no source in jzero (no HF TrainingArguments); set a value")
+        out[key] = _check_value(where, table[key], value)
+    for key, (ok, why) in RESTRICTED.items():
+        if key in out and out[key] != ok:
+            raise ConfigError(f"optimizer.params.{key}: {out[key]!r} is not supported ({why}); valid: {ok!r}")
+    if out["lr"] < 0:
+        raise ConfigError(f"optimizer.params.lr: must be >= 0, got {out['lr']}")
+    return out
+
+
+def _check_value(where: str, default: Any, value: Any) -> Any:
+    if isinstance(default, tuple):
+        ok = isinstance(value, (list, tuple)) and len(value) == 2 and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1 for v in value)
+        if not ok:
+            raise ConfigError(f"{where}: expected [beta1, beta2] with 0 <= beta < 1, got {value!r}")
+        return tuple(float(v) for v in value)
+    if where.endswith(".fused"):
+        if value not in ("auto", True, False):
+            raise ConfigError(f"{where}: expected 'auto', true or false, got {value!r}")
+        return value
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected true or false, got {value!r}")
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{where}: expected a number, got {type(value).__name__} {value!r}")
+    return float(value)
+
+
+def validate_optimizer(opt: OptimizerConfig) -> None:
+    resolve_params(opt)
+
+
+def base_lr(opt: OptimizerConfig) -> float:
+    """The optimizer's own lr (the schedules' base and the target of ``warmup_max_lr: auto``)."""
+    return resolve_params(opt)["lr"]
+
+
+def build(cfg: Config) -> Optimizer:
+    """The optax transformation and its schedules for ``cfg.optimizer`` / ``cfg.scheduler``."""
+    name = canonical_name(cfg.optimizer.type)
+    p = resolve_params(cfg.optimizer)
+    sched = schedules.build(cfg, p["lr"])
+    if name == "Adam" and not p["adam_w_mode"]:
+        name = "AdamL2"
+    hyper = _HYPER[name](p, sched)
+    static = tuple(k for k, v in hyper.items() if isinstance(v, bool))
+    return Optimizer(optax.inject_hyperparams(_FACTORIES[name], static_args=static)(**hyper), sched)
+
+
+def _betas(p: Mapping[str, Any], sched: schedules.Schedules) -> dict[str, Any]:
+    """beta1/beta2; OneCycle cycles beta1 and (as DeepSpeed does) fixes beta2 at 0.99."""
+    b1, b2 = p["betas"]
+    if sched.momentum is not None:
+        return {"b1": sched.momentum, "b2": 0.99}
+    return {"b1": b1, "b2": b2}
+
+
+def _adam_hyper(p, sched):
+    return {"learning_rate": sched.lr, **_betas(p, sched), "eps": p["eps"], "weight_decay": p["weight_decay"]}
+
+
+def _adam_l2(learning_rate, b1, b2, eps, weight_decay):
+    """torch Adam with L2 (DeepSpeed ``adam_w_mode: false``): decay added to the gradient."""
+    return optax.chain(optax.add_decayed_weights(weight_decay), optax.scale_by_adam(b1, b2, eps),
+                       optax.scale_by_learning_rate(learning_rate))
+
+
+def _lamb(learning_rate, b1, b2, eps, weight_decay, min_coeff, max_coeff):
+    """DeepSpeed FusedLamb: Adam direction + decay, scaled by a trust ratio clipped to [min, max]."""
+    return optax.chain(optax.scale_by_adam(b1, b2, eps), optax.add_decayed_weights(weight_decay),
+                       _scale_by_clipped_trust_ratio(min_coeff, max_coeff),
+                       optax.scale_by_learning_rate(learning_rate))
+
+
+def _scale_by_clipped_trust_ratio(min_coeff: float, max_coeff: float) -> optax.GradientTransformation:
+    def update(updates, state, params):
+        def one(u, w):
+            w_norm, u_norm = jnp.linalg.norm(w), jnp.linalg.norm(u)
+            ratio = jnp.where((w_norm > 0) & (u_norm > 0), w_norm / jnp.maximum(u_norm, 1e-30), 1.0)
+            return u * jnp.clip(ratio, min_coeff, max_coeff).astype(u.dtype)
+
+        return jax.tree.map(one, updates, params), state
+
+    return optax.GradientTransformation(lambda _: optax.EmptyState(), update)
+
+
+def _sgd(learning_rate, momentum, weight_decay, nesterov):
+    return optax.chain(optax.add_decayed_weights(weight_decay),
+                       optax.sgd(learning_rate, momentum=momentum, nesterov=nesterov))
+
+
+def _adagrad(learning_rate, eps, weight_decay, initial_accumulator_value):
+    return optax.chain(optax.add_decayed_weights(weight_decay),
+                       optax.adagrad(learning_rate, initial_accumulator_value, eps))
+
+
+_FACTORIES: dict[str, Callable[..., optax.GradientTransformation]] = {
+    "Adam": optax.adamw,
+    "AdamW": optax.adamw,
+    "AdamL2": _adam_l2,
+    "Lamb": _lamb,
+    "Lion": optax.lion,
+    "SGD": _sgd,
+    "Adagrad": _adagrad,
+}
+_HYPER: dict[str, Callable[[Mapping[str, Any], schedules.Schedules], dict[str, Any]]] = {
+    "Adam": _adam_hyper,
+    "AdamW": _adam_hyper,
+    "AdamL2": _adam_hyper,
+    "Lamb": lambda p, s: {**_adam_hyper(p, s), "min_coeff": p["min_coeff"], "max_coeff": p["max_coeff"]},
+    "Lion": lambda p, s: {"learning_rate": s.lr, **_betas(p, s), "weight_decay": p["weight_decay"]},
+    "SGD": lambda p, s: {"learning_rate": s.lr, "momentum": s.momentum or p["momentum"],
+                         "weight_decay": p["weight_decay"], "nesterov": p["nesterov"]},
+    "Adagrad": lambda p, s: {"learning_rate": s.lr, "eps": p["eps"], "weight_decay": p["weight_decay"],
+                             "initial_accumulator_value": p["initial_accumulator_value"]},
+}

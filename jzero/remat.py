@@ -1,0 +1,33 @@
+"""Named rematerialization (activation checkpointing) policies, applied per layer by scan_layers.
+
+``none`` keeps every activation; ``full`` keeps only each layer's input and recomputes the rest
+in the backward pass; ``dots`` / ``dots_no_batch`` keep matmul outputs (all, or those without
+batch dimensions); ``names`` keeps only tensors the model tagged with
+``jax.ad_checkpoint.checkpoint_name`` under one of `SAVE_NAMES` (the GPT tags them).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+SAVE_NAMES = ("qkv", "attn_out", "mlp_hidden")
+
+_cp = jax.checkpoint_policies
+
+# name -> checkpoint policy; None means "do not rematerialize".
+POLICIES: dict[str, Callable[..., Any] | None] = {
+    "none": None,
+    "full": _cp.nothing_saveable,
+    "dots": _cp.dots_saveable,
+    "dots_no_batch": _cp.dots_with_no_batch_dims_saveable,
+    "names": _cp.save_only_these_names(*SAVE_NAMES),
+}
+
+
+def policy(name: str) -> Callable[..., Any] | None:
+    """The jax checkpoint policy for ``name`` (None = no remat); KeyError lists the valid names."""
+    if name not in POLICIES:
+        raise KeyError(f"unknown remat policy '{name}'; valid: {', '.join(POLICIES)}")
+    return POLICIES[name]

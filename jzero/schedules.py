@@ -1,0 +1,228 @@
+"""DeepSpeed's LR schedulers as optax schedules, with DeepSpeed's exact formulas.
+
+Each schedule maps ``t`` -- the number of optimizer steps already taken (optax's ``count``) -- to
+the lr DeepSpeed's scheduler reports after ``t`` calls of ``step()`` from the start (its
+``get_lr()`` with ``last_batch_iteration = t``). So ``lr(0)`` is the warmup start and the lr
+column jzero logs matches DeepSpeed's ``get_last_lr()`` log line for line.
+OneCycle also cycles momentum (beta1, or SGD momentum) inversely; `build` returns it too.
+"""
+from __future__ import annotations
+
+import difflib
+import math
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import jax.numpy as jnp
+
+from jzero.config import AUTO, Config, ConfigError, SchedulerConfig
+
+Schedule = Callable[[Any], Any]
+REQUIRED = object()  # marks a parameter without a default
+
+# type -> {param: default}; DeepSpeed's signatures (deepspeed/runtime/lr_schedules.py).
+PARAMS: dict[str, dict[str, Any]] = {
+    "WarmupLR": {"warmup_min_lr": 0.0, "warmup_max_lr": None, "warmup_num_steps": 1000,
+                 "warmup_type": "log", "last_batch_iteration": -1},
+    "WarmupDecayLR": {"total_num_steps": REQUIRED, "warmup_min_lr": 0.0, "warmup_max_lr": 0.001,
+                      "warmup_num_steps": 1000, "warmup_type": "log", "last_batch_iteration": -1},
+    "WarmupCosineLR": {"total_num_steps": REQUIRED, "warmup_min_ratio": 0.0, "warmup_num_steps": 1000,
+                       "cos_min_ratio": 0.0001, "warmup_type": "log", "last_batch_iteration": -1},
+    "OneCycle": {"cycle_min_lr": REQUIRED, "cycle_max_lr": REQUIRED, "decay_lr_rate": 0.0,
+                 "cycle_first_step_size": 2000, "cycle_second_step_size": None,
+                 "cycle_first_stair_count": 0, "cycle_second_stair_count": None, "decay_step_size": 0,
+                 "cycle_momentum": True, "cycle_min_mom": 0.8, "cycle_max_mom": 0.9,
+                 "decay_mom_rate": 0.0, "last_batch_iteration": -1},
+    "LRRangeTest": {"lr_range_test_min_lr": 0.001, "lr_range_test_step_size": 2000,
+                    "lr_range_test_step_rate": 1.0, "lr_range_test_staircase": False,
+                    "last_batch_iteration": -1},
+}
+
+
+class Schedules(NamedTuple):
+    lr: Schedule
+    momentum: Schedule | None  # OneCycle's beta1 / SGD momentum cycle, else None
+
+
+def resolve_params(sched: SchedulerConfig, cfg: Config, base_lr: float) -> dict[str, Any]:
+    """Validated params with defaults filled in and ``"auto"`` resolved; raises ConfigError."""
+    name = canonical_name(sched.type)
+    table = PARAMS[name]
+    out = {}
+    for key, value in sched.params.items():
+        where = f"scheduler.params.{key}"
+        if key not in table:
+            close = difflib.get_close_matches(key, table, n=1)
+            hint = f"did you mean '{close[0]}'? " if close else ""
+            raise ConfigError(f"{where}: unknown key for {name}; {hint}valid keys: {', '.join(table)}")
+        if value == AUTO:
+            value = _auto(key, cfg, base_lr)
+        elif key in ("warmup_type",):
+            if value not in ("log", "linear"):
+                raise ConfigError(f"{where}: {value!r} is not one of 'log', 'linear'")
+        elif isinstance(table[key], bool):
+            if not isinstance(value, bool):
+                raise ConfigError(f"{where}: expected true or false, got {value!r}")
+        elif value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise ConfigError(f"{where}: expected a number, got {type(value).__name__} {value!r}")
+        out[key] = value
+    for key, default in table.items():
+        if key not in out:
+            if default is REQUIRED:
+                raise ConfigError(f"scheduler.params.{key}: required by {name}")
+            out[key] = default
+    if out["last_batch_iteration"] != -1:
+        raise ConfigError("scheduler.params.last_batch_iteration: jzero resumes schedules from checkpoints; "
+                          "valid: -1")
+    for key in ("warmup_num_steps", "lr_range_test_step_size", "cycle_first_step_size"):
+        if key in out and not (isinstance(out[key], (int, float)) and out[key] > 0):
+            raise ConfigError(f"scheduler.params.{key}: must be a positive number, got {out[key]!r}")
+    return out
+
+
+def canonical_name(name: str) -> str:
+    by_lower = {k.lower(): k for k in PARAMS}
+    if name.lower() not in by_lower:
+        close = difflib.get_close_matches(name, PARAMS, n=1, cutoff=0.5)
+        hint = f"did you mean '{close[0]}'? " if close else ""
+        raise ConfigError(f"scheduler.type: unknown scheduler '{name}'; {hint}valid: {', '.join(PARAMS)}")
+    return by_lower[name.lower()]
+
+
+def validate_scheduler(sched: SchedulerConfig, cfg: Config) -> None:
+    from jzero.optim import base_lr
+
+    resolve_params(sched, cfg, base_lr(cfg.optimizer))
+
+
+def _auto(key: str, cfg: Config, base_lr: float) -> Any:
+    if key == "warmup_max_lr":
+        return base_lr
+    if key == "total_num_steps":
+        return cfg.jzero.train.steps
+    raise ConfigError(f"scheduler.params.{key}: 'auto' has no source in jzero; set a number")
+
+
+def build(cfg: Config, base_lr: float) -> Schedules:
+    """The lr (and momentum) schedule for ``cfg.scheduler``; constant ``base_lr`` when absent."""
+    if cfg.scheduler is None:
+        return Schedules(lambda t: jnp.asarray(base_lr, jnp.float32), None)
+    name = canonical_name(cfg.scheduler.type)
+    p = resolve_params(cfg.scheduler, cfg, base_lr)
+    if p.get("warmup_max_lr", 0) is None:
+        p["warmup_max_lr"] = base_lr
+    return _BUILDERS[name](p, base_lr)
+
+
+def _warmup_gamma(t: Any, warmup: int, kind: str) -> Any:
+    """DeepSpeed's warmup fraction at t < warmup: log(t+1)/log(W) or t/W."""
+    if kind == "log":
+        return jnp.log(t + 1.0) / math.log(warmup)
+    return t / warmup
+
+
+def _warmup_lr(p: Mapping[str, Any], _base: float) -> Schedules:
+    warmup = max(2, p["warmup_num_steps"])
+    lo, hi = p["warmup_min_lr"], p["warmup_max_lr"]
+
+    def lr(t):
+        t = jnp.asarray(t, jnp.float32)
+        gamma = jnp.where(t < warmup, _warmup_gamma(t, warmup, p["warmup_type"]), 1.0)
+        return lo + (hi - lo) * gamma
+
+    return Schedules(lr, None)
+
+
+def _warmup_decay_lr(p: Mapping[str, Any], _base: float) -> Schedules:
+    warmup, total = max(2, p["warmup_num_steps"]), p["total_num_steps"]
+    lo, hi = p["warmup_min_lr"], p["warmup_max_lr"]
+
+    def lr(t):
+        t = jnp.asarray(t, jnp.float32)
+        decay = jnp.maximum(0.0, (total - t) / max(1.0, total - warmup))
+        gamma = jnp.where(t < warmup, _warmup_gamma(t, warmup, p["warmup_type"]), decay)
+        return lo + (hi - lo) * gamma
+
+    return Schedules(lr, None)
+
+
+def _warmup_cosine_lr(p: Mapping[str, Any], base: float) -> Schedules:
+    warmup, total = max(2, p["warmup_num_steps"]), p["total_num_steps"]
+    wmin, cmin = p["warmup_min_ratio"], p["cos_min_ratio"]
+
+    def lr(t):
+        t = jnp.asarray(t, jnp.float32)
+        warm = wmin + _warmup_gamma(t, warmup, p["warmup_type"]) * (1.0 - wmin)
+        progress = jnp.minimum(1.0, (t - warmup + 1) / max(1, total - warmup))
+        cos = jnp.maximum(0.0, cmin + (1.0 - cmin) * (1 + jnp.cos(math.pi * progress)) / 2)
+        return base * jnp.where(t < warmup, warm, cos)
+
+    return Schedules(lr, None)
+
+
+def _one_cycle(p: Mapping[str, Any], _base: float) -> Schedules:
+    first = float(p["cycle_first_step_size"])
+    second = float(p["cycle_second_step_size"] if p["cycle_second_step_size"] is not None else first)
+    total, ratio = first + second, first / (first + second)
+    stairs1 = p["cycle_first_stair_count"]
+    stairs2 = stairs1 if p["cycle_second_stair_count"] is None else p["cycle_second_stair_count"]
+    decay_steps = p["decay_step_size"]
+
+    def scale(t):
+        it = t + 1.0
+        x = 1.0 + it / total - jnp.floor(1 + it / total)
+        rising = x <= ratio
+        s = jnp.where(rising, x / ratio, (x - 1) / (ratio - 1))
+        pos_in = jnp.mod(it, total)
+        if stairs1 > 0 or stairs2 > 0:
+            up = jnp.floor(pos_in * stairs1 / first) / max(stairs1, 1)
+            down = jnp.floor((total - pos_in) * stairs2 / second) / max(stairs2, 1)
+            stair_rising = pos_in <= first
+            stair = jnp.where(stair_rising, up, down)
+            use = jnp.where(stair_rising, stairs1 > 0, stairs2 > 0)
+            s = jnp.where(use, stair, s)
+        return s
+
+    def decay_factor(t, rate):
+        if decay_steps == 0 or rate == 0:
+            return None
+        return 1 + rate * (t - total + 1) / decay_steps
+
+    def lr(t):
+        t = jnp.asarray(t, jnp.float32)
+        lo, hi = p["cycle_min_lr"], p["cycle_max_lr"]
+        cyc = lo + (hi - lo) * scale(t)
+        f = decay_factor(t, p["decay_lr_rate"])
+        after = lo if f is None else lo / f
+        return jnp.where(t < total, cyc, after)
+
+    def momentum(t):
+        t = jnp.asarray(t, jnp.float32)
+        lo, hi = p["cycle_min_mom"], p["cycle_max_mom"]
+        cyc = hi - (hi - lo) * scale(t)
+        f = decay_factor(t, p["decay_mom_rate"])
+        after = hi if f is None else hi * f
+        return jnp.where(t < total, cyc, after)
+
+    return Schedules(lr, momentum if p["cycle_momentum"] else None)
+
+
+def _lr_range_test(p: Mapping[str, Any], _base: float) -> Schedules:
+    lo, size, rate = p["lr_range_test_min_lr"], p["lr_range_test_step_size"], p["lr_range_test_step_rate"]
+
+    def lr(t):
+        interval = (jnp.asarray(t, jnp.float32) + 1.0) / size
+        if p["lr_range_test_staircase"]:
+            interval = jnp.floor(interval)
+        return lo * (1 + rate * interval)
+
+    return Schedules(lr, None)
+
+
+_BUILDERS: dict[str, Callable[[Mapping[str, Any], float], Schedules]] = {
+    "WarmupLR": _warmup_lr,
+    "WarmupDecayLR": _warmup_decay_lr,
+    "WarmupCosineLR": _warmup_cosine_lr,
+    "OneCycle": _one_cycle,
+    "LRRangeTest": _lr_range_test,
+}

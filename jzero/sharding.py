@@ -1,0 +1,126 @@
+"""ZeRO stages as sharding rules: one table, read top to bottom, turned into a `Plan`.
+
+A stage says which of the three model states are sharded over the mesh's "fsdp" axis:
+
+    stage | params (stored) | grads (reduced) | optimizer state
+    ------+-----------------+-----------------+----------------
+      0   | replicated      | replicated      | replicated
+      1   | replicated      | replicated      | sharded
+      2   | replicated      | sharded         | sharded
+      3   | sharded         | sharded         | sharded
+
+Leaf rule: shard the largest dimension divisible by the fsdp size, never the stacked-layer
+dimension (leading dim of leaves under a ``"stacked"`` key, see `jzero.layers`), and keep any
+dimension the model already partitions (tensor parallel). At stage 3, params with fewer than
+``stage3_param_persistence_threshold`` elements stay replicated (DeepSpeed's persistent params);
+their grads and optimizer state are still sharded, as in DeepSpeed.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import jax
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jzero.mesh import DATA_AXES
+
+FSDP = "fsdp"
+STACKED_KEY = "stacked"  # params under this key carry a leading stacked-layer dimension
+
+
+class ZeroRule(NamedTuple):
+    params: bool
+    grads: bool
+    opt_state: bool
+
+
+ZERO_RULES: dict[int, ZeroRule] = {
+    0: ZeroRule(params=False, grads=False, opt_state=False),
+    1: ZeroRule(params=False, grads=False, opt_state=True),
+    2: ZeroRule(params=False, grads=True, opt_state=True),
+    3: ZeroRule(params=True, grads=True, opt_state=True),
+}
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    """Where every leaf lives. Trees of `NamedSharding` shaped like params / opt_state.
+
+    ``params``: stored (fp32 master) params. ``grads``: reduced gradients and the accumulator.
+    ``update``: where the optimizer update runs (the opt-state layout of each param).
+    ``opt_state``: optimizer state. ``batch``: leading (global batch) dim over all data axes.
+    Compared and hashed by identity: it is static data of the jitted step.
+    """
+
+    mesh: Mesh
+    stage: int
+    params: Any
+    grads: Any
+    update: Any
+    opt_state: Any
+    batch: NamedSharding
+    replicated: NamedSharding
+
+    @property
+    def fsdp_size(self) -> int:
+        return self.mesh.shape[FSDP]
+
+
+def plan(params_shape: Any, tx: optax.GradientTransformation, mesh: Mesh, stage: int, *,
+         persistence_threshold: int = 0, model_specs: Any = None) -> Plan:
+    """The Plan for ``stage`` over ``mesh`` for params shaped like ``params_shape``.
+
+    ``model_specs``: optional tree of PartitionSpecs the model already uses (tensor parallel);
+    ZeRO keeps them and adds "fsdp" to a free dimension.
+    """
+    if stage not in ZERO_RULES:
+        raise ValueError(f"zero_optimization.stage: {stage} is not one of 0, 1, 2, 3")
+    rule = ZERO_RULES[stage]
+    n = mesh.shape[FSDP]
+    if model_specs is None:
+        model_specs = jax.tree.map(lambda _: P(), params_shape)
+
+    def specs(shard: bool, threshold: int) -> Any:
+        def leaf(path, x, base):
+            if not shard or math.prod(x.shape) < threshold:
+                return NamedSharding(mesh, base)
+            return NamedSharding(mesh, zero_spec(x.shape, base, n, stacked=_is_stacked(path)))
+
+        return jax.tree_util.tree_map_with_path(leaf, params_shape, model_specs)
+
+    update = specs(rule.opt_state, 0)
+    replicated = NamedSharding(mesh, P())
+    opt_shape = jax.eval_shape(tx.init, params_shape)
+    opt_state = optax.tree_map_params(tx, lambda _, s: s, opt_shape, update,
+                                      transform_non_params=lambda _: replicated,
+                                      is_leaf=lambda x: isinstance(x, NamedSharding))
+    return Plan(mesh=mesh, stage=stage,
+                params=specs(rule.params, persistence_threshold),
+                grads=specs(rule.grads, 0),
+                update=update,
+                opt_state=opt_state,
+                batch=NamedSharding(mesh, P(DATA_AXES)),
+                replicated=replicated)
+
+
+def zero_spec(shape: tuple[int, ...], base: P, n: int, *, stacked: bool = False) -> P:
+    """``base`` with "fsdp" on the largest free dimension divisible by ``n`` (unchanged if none)."""
+    if n == 1:
+        return base
+    entries = list(base) + [None] * (len(shape) - len(base))
+    free = [d for d, size in enumerate(shape)
+            if entries[d] is None and size % n == 0 and size >= n and not (stacked and d == 0)]
+    if not free:
+        return base
+    best = max(free, key=lambda d: (shape[d], -d))
+    entries[best] = FSDP
+    while entries and entries[-1] is None:  # canonical form: what jit reports back
+        entries.pop()
+    return P(*entries)
+
+
+def _is_stacked(path: tuple) -> bool:
+    return any(getattr(k, "key", getattr(k, "name", None)) == STACKED_KEY for k in path)

@@ -1,0 +1,72 @@
+"""`TrainState` and `init`: a born-sharded training state.
+
+Params are created by ``jit(init_fn, out_shardings=plan.params)``, so each device computes only
+its own shard (JAX's partitionable threefry gives the same values as an unsharded init); the
+optimizer state is created the same way under ``plan.opt_state``.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+from jax.sharding import Mesh
+
+from jzero import optim, precision, sharding
+from jzero.config import Config, ConfigError
+from jzero.mesh import data_parallel_size, make_mesh
+
+LossFn = Callable[[Any, Any, jax.Array], Any]
+
+
+class TrainState(struct.PyTreeNode):
+    """Everything a step reads and writes. Array fields are sharded per ``plan``.
+
+    ``loss_scale`` holds the fp16 dynamic loss-scaler state (None when fp16 is off).
+    Static fields (loss_fn, tx, plan, config) are compared by identity by ``jax.jit``.
+    """
+
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    rng: jax.Array
+    loss_scale: Any
+    loss_fn: LossFn = struct.field(pytree_node=False)
+    tx: optax.GradientTransformation = struct.field(pytree_node=False)
+    plan: sharding.Plan = struct.field(pytree_node=False)
+    config: Config = struct.field(pytree_node=False)
+
+
+def init(init_fn: Callable[[jax.Array], Any], config: Config, *, loss_fn: LossFn,
+         rng: jax.Array | int, mesh: Mesh | None = None, model_specs: Any = None) -> TrainState:
+    """Build a sharded TrainState: ``init_fn(rng) -> params``; ``loss_fn(params, batch, rng)``.
+
+    ``loss_fn`` returns a scalar loss or ``(loss, aux)``. Floating params are kept in fp32
+    (the master copy) whatever ``init_fn`` returns. ``model_specs`` is an optional tree of
+    PartitionSpecs the model already uses (kept; ZeRO adds "fsdp" to a free dimension).
+    """
+    mesh = mesh if mesh is not None else make_mesh(config)
+    config = config.for_dp(data_parallel_size(mesh))
+    key = jax.random.key(rng) if isinstance(rng, int) else rng
+    opt = optim.build(config)
+    pol = precision.policy(config)
+
+    def make_params(k):
+        return precision.cast_floating(init_fn(k), pol.param_dtype)
+
+    params_shape = jax.eval_shape(make_params, key)
+    if not jax.tree.leaves(params_shape):
+        raise ConfigError("init_fn returned no parameters (an empty pytree)")
+    plan = sharding.plan(params_shape, opt.tx, mesh, config.zero_optimization.stage,
+                         persistence_threshold=config.zero_optimization.stage3_param_persistence_threshold,
+                         model_specs=model_specs)
+    params = jax.jit(make_params, out_shardings=plan.params)(key)
+    opt_state = jax.jit(opt.tx.init, out_shardings=plan.opt_state)(params)
+    step_rng = jax.device_put(jax.random.fold_in(key, 1), plan.replicated)
+    return TrainState(step=jax.device_put(jnp.zeros((), jnp.int32), plan.replicated), params=params,
+                      opt_state=opt_state, rng=step_rng, loss_scale=None, loss_fn=loss_fn, tx=opt.tx,
+                      plan=plan, config=config)
+

@@ -1,0 +1,103 @@
+"""`train_step`: one jitted, donated, sharded optimizer step with gradient accumulation.
+
+The global batch (leading dim = ``train_batch_size``) is split into
+``gradient_accumulation_steps`` micro-batches without moving data between devices: micro-batch
+k takes the k-th chunk of every device's slice. Gradients are accumulated by ``lax.scan`` in
+``data_types.grad_accum_dtype`` (fp32), laid out like the stage's reduced grads, so the
+accumulator of stage >= 2 is sharded. The update runs where the optimizer state lives
+(sharded for stage >= 1) and the new params are re-laid out per the Plan (an all-gather at
+stages 1-2). Every output is pinned to the Plan, so the state keeps its sharding step after step.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jzero import precision
+from jzero.mesh import DATA_AXES
+from jzero.state import TrainState
+
+_constrain = jax.lax.with_sharding_constraint
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def train_step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
+    """One optimizer step on ``batch`` (a pytree, leading dim = the global batch).
+
+    Returns the new state and metrics: ``loss`` (mean over the global batch), ``grad_norm``
+    (global L2 norm before clipping), ``lr`` (the lr applied) and ``aux`` when the loss has one.
+    """
+    cfg, plan = state.config, state.plan
+    _check_batch(batch, cfg.train_batch_size)
+    batch = _constrain(batch, jax.tree.map(lambda _: plan.batch, batch))
+    rng = jax.random.fold_in(state.rng, state.step)
+    loss, aux, grads = _accumulated_grads(state, batch, rng)
+    grad_norm = optax.tree.norm(grads)
+    if cfg.gradient_clipping > 0:
+        # DeepSpeed's rule: coef = max_norm / (norm + 1e-6), applied only when below 1.
+        coef = jnp.minimum(1.0, cfg.gradient_clipping / (grad_norm + 1e-6))
+        grads = jax.tree.map(lambda g: g * coef.astype(g.dtype), grads)
+    grads = _constrain(grads, plan.update)
+    params = _constrain(state.params, plan.update)
+    updates, opt_state = state.tx.update(grads, state.opt_state, params)
+    params = _constrain(optax.apply_updates(params, updates), plan.params)
+    opt_state = _constrain(opt_state, plan.opt_state)
+    metrics = {"loss": loss, "grad_norm": grad_norm, "lr": opt_state.hyperparams["learning_rate"]}
+    if aux is not None:
+        metrics["aux"] = aux
+    return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+
+def _loss_and_aux(state: TrainState, params: Any, batch: Any, rng: jax.Array):
+    compute = precision.policy(state.config).compute_dtype
+    out = state.loss_fn(precision.cast_floating(params, compute), batch, rng)
+    loss, aux = out if isinstance(out, tuple) else (out, None)
+    return loss.astype(jnp.float32), aux
+
+
+def _accumulated_grads(state: TrainState, batch: Any, rng: jax.Array):
+    """(mean loss, mean aux, mean grads) over the micro-batches, grads laid out per plan.grads."""
+    cfg, plan = state.config, state.plan
+    grad_fn = jax.value_and_grad(functools.partial(_loss_and_aux, state), has_aux=True)
+    accum = cfg.gradient_accumulation_steps
+    acc_dtype = precision.policy(cfg).grad_accum_dtype
+    if accum == 1:
+        (loss, aux), grads = grad_fn(state.params, batch, rng)
+        grads = precision.cast_floating(grads, acc_dtype)
+        return loss, aux, _constrain(grads, plan.grads)
+
+    micro = jax.tree.map(lambda x: _split_micro(x, accum, cfg.dp_size, plan), batch)
+
+    def body(carry, xs):
+        acc, loss_sum = carry
+        mb, i = xs
+        (loss, aux), grads = grad_fn(state.params, mb, jax.random.fold_in(rng, i))
+        grads = _constrain(precision.cast_floating(grads, acc_dtype), plan.grads)
+        acc = jax.tree.map(jnp.add, acc, grads)
+        return (acc, loss_sum + loss), aux
+
+    zeros = _constrain(jax.tree.map(lambda p: jnp.zeros(p.shape, acc_dtype), state.params), plan.grads)
+    (acc, loss_sum), aux = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32)),
+                                        (micro, jnp.arange(accum)))
+    grads = jax.tree.map(lambda g: g / accum, acc)
+    aux = None if aux is None else jax.tree.map(lambda a: jnp.mean(a, axis=0), aux)
+    return loss_sum / accum, aux, grads
+
+
+def _split_micro(x: jax.Array, accum: int, dp: int, plan) -> jax.Array:
+    """(dp*accum*micro, ...) -> (accum, dp*micro, ...) keeping each device's rows on it."""
+    micro = x.shape[0] // (dp * accum)
+    y = x.reshape(dp, accum, micro, *x.shape[1:]).swapaxes(0, 1).reshape(accum, dp * micro, *x.shape[1:])
+    spec = jax.sharding.PartitionSpec(None, DATA_AXES)
+    return _constrain(y, jax.sharding.NamedSharding(plan.mesh, spec))
+
+
+def _check_batch(batch: Any, expected: int) -> None:
+    for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        if x.ndim == 0 or x.shape[0] != expected:
+            raise ValueError(f"batch{jax.tree_util.keystr(path)}: leading dimension must be the global batch "
+                             f"train_batch_size={expected}, got shape {tuple(x.shape)}")

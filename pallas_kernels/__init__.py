@@ -1,0 +1,1 @@
+"""Pallas kernels (fused optimizer step, ...) with a CPU interpret path for tests."""

@@ -1,0 +1,229 @@
+"""Config loading: DeepSpeed's batch rule, key validation with suggestions, unsupported
+features, "auto", and each LR scheduler against DeepSpeed's formulas (written out here
+independently of jzero/schedules.py)."""
+import json
+import math
+
+import pytest
+
+import jzero
+from jzero import schedules
+from jzero.config import ConfigError, ConfigWarning
+
+
+def base(**kw):
+    cfg = {"train_batch_size": 16}
+    cfg.update(kw)
+    return cfg
+
+
+# (config, dp size, expected (train, micro, accum)) -- DeepSpeed's batch rule.
+GOOD_BATCH = [
+    ({"train_batch_size": 16}, 8, (16, 2, 1)),
+    ({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 2}, 8, (64, 2, 4)),
+    ({"train_batch_size": 64, "gradient_accumulation_steps": 4}, 8, (64, 2, 4)),
+    ({"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2}, 8, (48, 3, 2)),
+    ({"train_micro_batch_size_per_gpu": 3}, 2, (6, 3, 1)),
+    ({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 8}, 1,
+     (32, 4, 8)),
+    ({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2}, 8,
+     (32, 2, 2)),
+    ({"train_batch_size": 5e1, "train_micro_batch_size_per_gpu": 25}, 2, (50, 25, 1)),
+]
+
+
+@pytest.mark.parametrize("raw,dp,want", GOOD_BATCH)
+def test_batch_rule(raw, dp, want):
+    cfg = jzero.load_config(raw, dp_size=dp)
+    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == want
+
+
+def test_batch_rule_reresolves_for_another_mesh():
+    cfg = jzero.load_config({"train_batch_size": 32, "gradient_accumulation_steps": 4}, dp_size=8)
+    two = cfg.for_dp(2)
+    assert (two.train_micro_batch_size_per_gpu, two.gradient_accumulation_steps, two.dp_size) == (4, 4, 2)
+
+
+# (config, dp, pattern the one-line error must contain)
+BAD = [
+    ({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 8}, 8,
+     r"train_batch_size: 16 != .* 1 x gradient_accumulation_steps 8 x data-parallel size 8 \(= 64\)"),
+    ({"train_batch_size": 12}, 8, r"train_batch_size: 12 is not a multiple of .*data-parallel size 8"),
+    ({"train_batch_size": 20, "train_micro_batch_size_per_gpu": 3}, 2, r"not a multiple of train_micro"),
+    ({"gradient_accumulation_steps": 2}, 8, r"set train_batch_size or train_micro_batch_size_per_gpu"),
+    ({"train_batch_size": "auto"}, 8, r"set train_batch_size or train_micro"),
+    (base(train_batch_sise=3), 8, r"train_batch_sise: unknown key; did you mean 'train_batch_size'\?"),
+    (base(zero_optimization={"stgae": 2}), 8, r"zero_optimization.stgae: unknown key; did you mean 'stage'"),
+    (base(zero_optimization={"stage": 4}), 8, r"zero_optimization.stage: 4 is not one of 0, 1, 2, 3"),
+    (base(zero_optimization={"stage": "2"}), 8, r"zero_optimization.stage: '2' is not one of"),
+    (base(bf16={"enabled": "yes"}), 8, r"bf16.enabled: expected true or false, got 'yes'"),
+    (base(steps_per_print="10"), 8, r"steps_per_print: expected an integer, got str"),
+    (base(gradient_clipping=-1), 8, r"gradient_clipping: must be >= 0"),
+    ({"train_batch_size": 16, "optimizer": {"type": "Adamm"}}, 8,
+     r"optimizer.type: unknown optimizer 'Adamm'; did you mean 'Adam'"),
+    (base(optimizer={"type": "AdamW", "params": {"learning_rate": 1e-3}}), 8,
+     r"optimizer.params.learning_rate: unknown key for AdamW"),
+    (base(optimizer={"type": "adam", "params": {"betas": [0.9]}}), 8, r"optimizer.params.betas: expected \[beta1"),
+    (base(optimizer={"type": "adam", "params": {"lr": "auto"}}), 8, r"optimizer.params.lr: 'auto' has no source"),
+    (base(optimizer={"type": "adam", "params": {"bias_correction": False}}), 8,
+     r"optimizer.params.bias_correction: False is not supported"),
+    (base(scheduler={"type": "WarmupCosine"}), 8, r"scheduler.type: unknown scheduler 'WarmupCosine'; did you mean"),
+    (base(scheduler={"type": "WarmupDecayLR", "params": {}}), 8,
+     r"scheduler.params.total_num_steps: required by WarmupDecayLR"),
+    (base(scheduler={"type": "WarmupLR", "params": {"warmup_type": "cosine"}}), 8,
+     r"scheduler.params.warmup_type: 'cosine' is not one of 'log', 'linear'"),
+    (base(scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": "auto"}}), 8,
+     r"scheduler.params.warmup_num_steps: 'auto' has no source"),
+    (base(pipeline={"stages": 2}), 8, r"pipeline: not supported by jzero: pipeline parallelism"),
+    (base(moe={"enabled": True}), 8, r"moe: not supported"),
+    (base(zero_optimization={"stage": 3, "offload_param": {"device": "nvme"}}), 8,
+     r"zero_optimization.offload_param.device: 'nvme' offload is not supported"),
+    (base(zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu"}}), 8,
+     r"zero_optimization.offload_optimizer.device: 'cpu' offload is not supported"),
+    (base(zero_optimization={"zero_quantized_weights": True}), 8, r"zero_quantized_weights: quantized"),
+    (base(bf16={"enabled": True}, fp16={"enabled": True}), 8, r"bf16.enabled and fp16.enabled: choose one"),
+    (base(fp16={"loss_scale_window": 0}), 8, r"fp16.loss_scale_window: must be >= 1"),
+    (base(gradient_clipping="auto"), 8, r"gradient_clipping: 'auto' has no source"),
+    (base(jzero={"remat": "dot"}), 8, r"jzero.remat: unknown policy 'dot'; did you mean 'dots'"),
+    (base(jzero={"model": {"size": "huge"}}), 8, r"jzero.model.size: unknown size 'huge'"),
+    (base(jzero={"model": {"n_heads": 5}}), 8, r"jzero.model.n_heads: 5 does not divide d_model 64"),
+    (base(jzero={"mesh": {"devices": 0}}), 8, r"jzero.mesh.devices: must be >= 1"),
+    (base(zero_optimization=[2]), 8, r"zero_optimization: expected an object, got list"),
+]
+
+
+@pytest.mark.parametrize("raw,dp,pattern", BAD, ids=[p.split(":")[0][:40] for _, _, p in BAD])
+def test_bad_config_raises_one_line_error(raw, dp, pattern):
+    with pytest.raises(ConfigError, match=pattern) as err:
+        jzero.load_config(raw, dp_size=dp)
+    assert "\n" not in str(err.value)
+
+
+def test_full_deepspeed_config_loads_and_warns_about_noops(tmp_path):
+    ds = {
+        "train_batch_size": 64, "train_micro_batch_size_per_gpu": 4, "steps_per_print": 5, "seed": 7,
+        "gradient_clipping": 1.0, "wall_clock_breakdown": False,
+        "optimizer": {"type": "Adam", "params": {"lr": 2e-4, "betas": [0.9, 0.95], "eps": 1e-8,
+                                                 "weight_decay": 0.1, "torch_adam": False}},
+        "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_max_lr": "auto", "total_num_steps": "auto",
+                                                          "warmup_num_steps": 10}},
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 3, "overlap_comm": True, "contiguous_gradients": True,
+                              "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+                              "stage3_param_persistence_threshold": "auto",
+                              "stage3_gather_16bit_weights_on_model_save": True},
+        "flops_profiler": {"enabled": False},
+        "jzero": {"model": {"size": "tiny"}, "train": {"steps": 500}},
+    }
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(ds))
+    with pytest.warns(ConfigWarning, match="flops_profiler"):
+        cfg = jzero.load_config(path, dp_size=8)
+    assert cfg.gradient_accumulation_steps == 2 and cfg.seed == 7 and cfg.bf16.enabled
+    h = 64  # the tiny GPT's hidden size resolves the zero "auto" keys (HF's rules)
+    assert cfg.zero_optimization.reduce_bucket_size == h * h
+    assert cfg.zero_optimization.stage3_prefetch_bucket_size == int(0.9 * h * h)
+    assert cfg.zero_optimization.stage3_param_persistence_threshold == 10 * h
+    sched = schedules.build(cfg, 2e-4)
+    assert float(sched.lr(10)) == pytest.approx(2e-4 * (500 - 10) / (500 - 10))  # auto: max <- lr, T <- steps
+    assert cfg.to_dict()["optimizer"]["params"]["lr"] == 2e-4
+
+
+def test_missing_file_and_bad_json(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found: .*nope.json"):
+        jzero.load_config(tmp_path / "nope.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{\"train_batch_size\": 8,}")
+    with pytest.raises(ConfigError, match=r"bad.json: invalid JSON at line 1"):
+        jzero.load_config(bad)
+
+
+# ---------------------------------------------------------------------------------------------
+# Schedulers: DeepSpeed's formulas, t = number of scheduler steps taken (last_batch_iteration).
+# ---------------------------------------------------------------------------------------------
+def ds_warmup_gamma(t, w, kind):
+    w = max(2, w)
+    return (math.log(t + 1) / math.log(w) if kind == "log" else t / w) if t < w else None
+
+
+def ds_warmup_lr(t, lo=0.0, hi=1e-3, w=1000, kind="log"):
+    g = ds_warmup_gamma(t, w, kind)
+    return lo + (hi - lo) * (1.0 if g is None else g)
+
+
+def ds_warmup_decay_lr(t, total, lo=0.0, hi=1e-3, w=1000, kind="log"):
+    g = ds_warmup_gamma(t, w, kind)
+    if g is None:
+        g = max(0.0, (total - t) / max(1.0, total - max(2, w)))
+    return lo + (hi - lo) * g
+
+
+def ds_warmup_cosine_lr(t, base_lr, total, wmin=0.0, w=1000, cmin=1e-4, kind="log"):
+    g = ds_warmup_gamma(t, w, kind)
+    if g is not None:
+        return base_lr * (wmin + g * (1 - wmin))
+    progress = min(1.0, (t - max(2, w) + 1) / max(1, total - max(2, w)))
+    return base_lr * max(0.0, cmin + (1 - cmin) * (1 + math.cos(math.pi * progress)) / 2)
+
+
+def ds_one_cycle_lr(t, lo, hi, first, second=None, decay_rate=0.0, decay_steps=0):
+    second = first if second is None else second
+    total = first + second
+    if t < total:
+        it = t + 1
+        x = 1.0 + it / total - math.floor(1 + it / total)
+        ratio = first / total
+        s = x / ratio if x <= ratio else (x - 1) / (ratio - 1)
+        return lo + (hi - lo) * s
+    if decay_steps == 0 or decay_rate == 0:
+        return lo
+    return lo / (1 + decay_rate * (t - total + 1) / decay_steps)
+
+
+def ds_lr_range_test(t, lo=1e-3, size=2000, rate=1.0, staircase=False):
+    interval = (t + 1) / size
+    return lo * (1 + rate * (math.floor(interval) if staircase else interval))
+
+
+W, T, BASE = 100, 400, 3e-4
+SCHEDULES = [
+    ("WarmupLR", {"warmup_num_steps": W}, lambda t: ds_warmup_lr(t, hi=BASE, w=W)),
+    ("WarmupLR", {"warmup_min_lr": 1e-5, "warmup_max_lr": 1e-3, "warmup_num_steps": W, "warmup_type": "linear"},
+     lambda t: ds_warmup_lr(t, 1e-5, 1e-3, W, "linear")),
+    ("WarmupDecayLR", {"total_num_steps": T, "warmup_num_steps": W},
+     lambda t: ds_warmup_decay_lr(t, T, w=W)),
+    ("WarmupDecayLR", {"total_num_steps": T, "warmup_num_steps": W, "warmup_type": "linear", "warmup_min_lr": 1e-4},
+     lambda t: ds_warmup_decay_lr(t, T, lo=1e-4, w=W, kind="linear")),
+    ("WarmupCosineLR", {"total_num_steps": T, "warmup_num_steps": W},
+     lambda t: ds_warmup_cosine_lr(t, BASE, T, w=W)),
+    ("WarmupCosineLR", {"total_num_steps": T, "warmup_num_steps": W, "warmup_min_ratio": 0.1,
+                        "cos_min_ratio": 0.05, "warmup_type": "linear"},
+     lambda t: ds_warmup_cosine_lr(t, BASE, T, 0.1, W, 0.05, "linear")),
+    ("OneCycle", {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3, "cycle_first_step_size": W},
+     lambda t: ds_one_cycle_lr(t, 1e-4, 1e-3, W)),
+    ("OneCycle", {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3, "cycle_first_step_size": W,
+                  "cycle_second_step_size": 2 * W, "decay_lr_rate": 0.5, "decay_step_size": 10},
+     lambda t: ds_one_cycle_lr(t, 1e-4, 1e-3, W, 2 * W, 0.5, 10)),
+    ("LRRangeTest", {"lr_range_test_min_lr": 1e-4, "lr_range_test_step_size": W},
+     lambda t: ds_lr_range_test(t, 1e-4, W)),
+    ("LRRangeTest", {"lr_range_test_min_lr": 1e-4, "lr_range_test_step_size": W, "lr_range_test_step_rate": 3.0,
+                     "lr_range_test_staircase": True},
+     lambda t: ds_lr_range_test(t, 1e-4, W, 3.0, True)),
+]
+
+
+@pytest.mark.parametrize("name,params,formula", SCHEDULES, ids=[f"{n}-{i}" for i, (n, _, _) in enumerate(SCHEDULES)])
+def test_scheduler_matches_deepspeed(name, params, formula):
+    cfg = jzero.load_config({"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": BASE}},
+                             "scheduler": {"type": name, "params": params}}, dp_size=8)
+    lr = schedules.build(cfg, BASE).lr
+    for t in (0, 1, W // 2, W - 1, W, W + 1, (W + T) // 2, T - 1, T, T + 50):
+        assert float(lr(t)) == pytest.approx(formula(t), rel=1e-5, abs=1e-12), t
+
+
+def test_one_cycle_cycles_beta1_inversely():
+    cfg = jzero.load_config({"train_batch_size": 8, "scheduler": {"type": "OneCycle", "params": {
+        "cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3, "cycle_first_step_size": 10}}}, dp_size=8)
+    mom = schedules.build(cfg, 1e-3).momentum
+    assert float(mom(9)) == pytest.approx(0.8)  # peak lr <-> lowest momentum
+    assert float(mom(19)) == pytest.approx(0.9, abs=1e-6)
