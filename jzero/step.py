@@ -101,3 +101,10 @@ def _check_batch(batch: Any, expected: int) -> None:
         if x.ndim == 0 or x.shape[0] != expected:
             raise ValueError(f"batch{jax.tree_util.keystr(path)}: leading dimension must be the global batch "
                              f"train_batch_size={expected}, got shape {tuple(x.shape)}")
+
+
+@jax.jit
+def eval_step(state: TrainState, batch: Any) -> jax.Array:
+    """The loss of ``state.params`` on ``batch`` (compute dtype, no gradient, no update)."""
+    batch = _constrain(batch, jax.tree.map(lambda _: state.plan.batch, batch))
+    return _loss_and_aux(state, state.params, batch, state.rng)[0]

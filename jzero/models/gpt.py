@@ -5,6 +5,7 @@ to the compute dtype, so the model itself has no dtype switches.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -123,3 +124,28 @@ def make(cfg: GPTConfig) -> tuple[Any, Any]:
     """(init_fn, loss_fn) for jzero.init; batches are {"inputs": (B, T), "targets": (B, T)} int32."""
     return from_linen(GPT(cfg), jax.ShapeDtypeStruct((1, cfg.seq_len), jnp.int32),
                       lambda logits, batch: cross_entropy(logits, batch["targets"]))
+
+
+def generate(cfg: GPTConfig, params: Any, prompt: jax.Array, num_tokens: int, rng: jax.Array,
+             temperature: float = 0.8) -> jax.Array:
+    """Sample ``num_tokens`` after ``prompt`` (1-D int32, shorter than seq_len); a sliding
+    window of ``seq_len`` tokens once the context is full. Returns the new tokens."""
+    return _generate(cfg, params, prompt, rng, jnp.float32(temperature), num_tokens)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 5))
+def _generate(cfg, params, prompt, rng, temperature, num_tokens):
+    model = GPT(cfg)
+    window = jnp.zeros((1, cfg.seq_len), jnp.int32).at[0, : prompt.shape[0]].set(prompt)
+
+    def body(i, carry):
+        window, length, out = carry
+        logits = model.apply({"params": params}, window)[0, length - 1]
+        token = jax.random.categorical(jax.random.fold_in(rng, i), logits / temperature).astype(jnp.int32)
+        full = length == cfg.seq_len
+        window = jnp.where(full, jnp.roll(window, -1, axis=1).at[0, -1].set(token),
+                           window.at[0, jnp.minimum(length, cfg.seq_len - 1)].set(token))
+        return window, jnp.minimum(length + 1, cfg.seq_len), out.at[i].set(token)
+
+    init = (window, jnp.int32(prompt.shape[0]), jnp.zeros((num_tokens,), jnp.int32))
+    return jax.lax.fori_loop(0, num_tokens, body, init)[2]

@@ -1,0 +1,156 @@
+"""The ``jzero`` command line: ``jzero train CONFIG [--steps N] [--devices N] [--out DIR] [--set k=v]``.
+
+On a CPU-only host the devices the run asks for (``--devices`` or ``jzero.mesh.devices``) are
+simulated: the XLA flag is set here, before any JAX backend starts. On GPU/TPU hosts the flag
+only concerns the (unused) CPU platform and the real devices are used. Bad input ends with one
+line on stderr and exit code 2; Ctrl-C with one line and exit code 130.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+EXIT_USAGE, EXIT_INTERRUPTED = 2, 130
+
+
+class UsageError(Exception):
+    """Bad command-line input; the message is shown as one line."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print("jzero: interrupted by Ctrl-C; stopped cleanly", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except UsageError as e:
+        print(f"jzero: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except Exception as e:  # ConfigError and friends: one line, no traceback
+        from jzero.config import ConfigError
+
+        if isinstance(e, ConfigError):
+            print(f"jzero: error: {e}", file=sys.stderr)
+            return EXIT_USAGE
+        raise
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jzero", description="DeepSpeed's training engine on JAX/XLA.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="train the reference GPT from a DeepSpeed-style config")
+    train.add_argument("config", help="a jzero / DeepSpeed JSON config file")
+    train.add_argument("--steps", type=int, help="train this many steps (default: jzero.train.steps)")
+    train.add_argument("--devices", type=int, help="devices to use; simulated on a CPU-only host")
+    train.add_argument("--out", default="runs/jzero", help="output folder for metrics (default: runs/jzero)")
+    train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a config key by dotted path, e.g. --set zero_optimization.stage=3")
+    train.set_defaults(func=cmd_train)
+    return parser
+
+
+def read_overridden(path: str, overrides: list[str]) -> dict[str, Any]:
+    """The config file as a dict with ``--set key=value`` overrides applied (values parsed as JSON)."""
+    if not Path(path).is_file():
+        raise UsageError(f"config file not found: {path}")
+    try:
+        raw = json.loads(Path(path).read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise UsageError(f"{path}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+    if not isinstance(raw, dict):
+        raise UsageError(f"{path}: the top level must be a JSON object")
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise UsageError(f"--set {item!r}: expected KEY=VALUE, e.g. --set zero_optimization.stage=3")
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            value = text
+        node = raw
+        parts = key.split(".")
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise UsageError(f"--set {key}: '{part}' is not a section (it holds {child!r})")
+            node = child
+        node[parts[-1]] = value
+    return raw
+
+
+def simulate_devices(count: int | None) -> None:
+    """Ask XLA's CPU platform for ``count`` devices; must run before JAX starts a backend."""
+    if count is None:
+        return
+    if count < 1:
+        raise UsageError(f"--devices: must be >= 1, got {count}")
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+    os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={count}"])
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    raw = read_overridden(args.config, args.set)
+    devices = args.devices or raw.get("jzero", {}).get("mesh", {}).get("devices")
+    simulate_devices(devices if isinstance(devices, int) else None)
+    if args.devices:
+        raw.setdefault("jzero", {}).setdefault("mesh", {})["devices"] = args.devices
+    if args.steps is not None:
+        if args.steps < 1:
+            raise UsageError(f"--steps: must be >= 1, got {args.steps}")
+        raw.setdefault("jzero", {}).setdefault("train", {})["steps"] = args.steps
+
+    import jax
+
+    from rich.markup import escape
+
+    from jzero.config import load_config
+    from jzero.data import describe
+    from jzero.engine import Engine
+    from jzero.mesh import data_parallel_size
+    from jzero.monitor import Monitor
+
+    config = load_config(raw)
+    out = Path(args.out)
+    engine = Engine(config)
+    config = engine.config
+    steps = config.jzero.train.steps
+    monitor = Monitor(config, out, total_steps=steps)
+    mesh = engine.state.plan.mesh
+    monitor.print(f"jzero: {describe(engine.corpus)}")
+    monitor.print(f"jzero: GPT {config.jzero.model.size} ({engine.num_params:,} params), ZeRO stage "
+                  f"{config.zero_optimization.stage}, mesh {dict(mesh.shape)} on {jax.devices()[0].platform}, "
+                  f"batch {config.train_batch_size} = micro {config.train_micro_batch_size_per_gpu} x accum "
+                  f"{config.gradient_accumulation_steps} x dp {data_parallel_size(mesh)}, remat {config.jzero.remat}")
+    try:
+        summary = engine.train(steps, monitor)
+    finally:
+        monitor.close()
+    out.mkdir(parents=True, exist_ok=True)
+    summary.sample = engine.sample()
+    drop = 1 - summary.eval_loss / summary.first_eval_loss
+    mem = summary.memory_bytes
+    rows = [("steps", f"{summary.steps}"),
+            ("final train loss", f"{summary.train_loss:.4f}"),
+            ("held-out loss", f"{summary.first_eval_loss:.4f} -> {summary.eval_loss:.4f} ({drop:.0%} lower)"),
+            ("tokens/s", f"{summary.tokens_per_s:,.0f}"),
+            ("compile time", f"{summary.compile_s:.1f} s")]
+    if mem:
+        rows += [(f"per-device {k} (compiled step)", _mib(mem[k])) for k in ("arguments", "temporaries", "peak")]
+    monitor.summary("jzero train: summary", rows)
+    monitor.print(f"[bold]sample[/bold] (temperature 0.8):\n{escape(summary.sample)}")
+    monitor.print(f"metrics: {out / 'metrics.csv'}")
+    return 0
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.2f} MiB"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

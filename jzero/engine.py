@@ -1,0 +1,121 @@
+"""`Engine`: the DeepSpeed-style façade that trains the reference GPT from a config.
+
+It joins the pieces a user would otherwise wire by hand: corpus -> model -> sharded state ->
+AOT-compiled step (compile time and per-device memory read from the executable) -> the loop
+with progress, logs, held-out evaluation, a summary and a generated sample. `jzero train` is a
+thin shell over it.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jzero import data
+from jzero.config import Config, ConfigError
+from jzero.mesh import make_mesh
+from jzero.models import gpt
+from jzero.monitor import Monitor
+from jzero.state import TrainState, init
+from jzero.step import eval_step, train_step
+
+SAMPLE_PROMPT = b"def "
+SAMPLE_TOKENS = 160
+
+
+@dataclass
+class RunSummary:
+    steps: int = 0
+    train_loss: float = float("nan")
+    first_eval_loss: float = float("nan")
+    eval_loss: float = float("nan")
+    tokens_per_s: float = 0.0
+    compile_s: float = 0.0
+    memory_bytes: dict[str, int] = field(default_factory=dict)
+    sample: str = ""
+
+
+class Engine:
+    """Builds the GPT, data and sharded state for ``config``; `train` runs the loop."""
+
+    def __init__(self, config: Config):
+        self.corpus = data.load_corpus(config.jzero.data)
+        self.model_cfg = gpt.gpt_config(config.jzero.model, config.jzero.remat)
+        if self.corpus.vocab_size > self.model_cfg.vocab_size:
+            raise ConfigError(f"jzero.model.vocab_size: {self.model_cfg.vocab_size} is smaller than the data's "
+                              f"vocabulary ({self.corpus.vocab_size} in {self.corpus.source})")
+        init_fn, loss_fn = gpt.make(self.model_cfg)
+        self.state: TrainState = init(init_fn, config, loss_fn=loss_fn, rng=jax.random.key(config.seed),
+                                      mesh=make_mesh(config))
+        self.config = self.state.config  # batch rule resolved for the real mesh
+
+    @property
+    def num_params(self) -> int:
+        return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.state.params))
+
+    def batch(self, split: str, step: int) -> dict:
+        tokens = self.corpus.train if split == "train" else self.corpus.heldout
+        return data.global_batch(tokens, self.config.seed, split, step, self.config.train_batch_size,
+                                 self.model_cfg.seq_len, self.state.plan.batch)
+
+    def evaluate(self) -> float:
+        """Mean held-out loss over ``jzero.train.eval_batches`` fixed batches."""
+        losses = [eval_step(self.state, self.batch("heldout", i)) for i in range(self.config.jzero.train.eval_batches)]
+        return float(np.mean(jax.device_get(losses)))
+
+    def sample(self, num_tokens: int = SAMPLE_TOKENS) -> str:
+        prompt = jnp.asarray(np.frombuffer(SAMPLE_PROMPT, np.uint8).astype(np.int32))
+        tokens = gpt.generate(self.model_cfg, self.state.params, prompt, num_tokens,
+                              jax.random.key(self.config.seed))
+        if self.corpus.vocab_size != 256:
+            return " ".join(map(str, jax.device_get(tokens).tolist()))
+        return (SAMPLE_PROMPT + bytes(np.asarray(tokens, np.uint8))).decode("utf-8", errors="replace")
+
+    def train(self, steps: int, monitor: Monitor) -> RunSummary:
+        """Train from the state's current step up to ``steps``; returns what the summary shows."""
+        cfg, summary = self.config, RunSummary()
+        tokens_per_step = cfg.train_batch_size * self.model_cfg.seq_len
+        start = int(self.state.step)
+        t0 = time.perf_counter()
+        compiled = train_step.lower(self.state, self.batch("train", start)).compile()
+        summary.compile_s = time.perf_counter() - t0
+        summary.memory_bytes = _memory(compiled)
+        eval_every = cfg.jzero.train.eval_interval
+        window_time, window_steps, total_time = 0.0, 0, 0.0
+        for step in range(start, steps):
+            batch = self.batch("train", step)
+            t = time.perf_counter()
+            self.state, metrics = compiled(self.state, batch)
+            metrics = {k: float(v) for k, v in jax.device_get(metrics).items() if k != "aux"}
+            dt = time.perf_counter() - t
+            window_time, window_steps, total_time = window_time + dt, window_steps + 1, total_time + dt
+            done = step + 1
+            tps = window_steps * tokens_per_step / max(window_time, 1e-9)
+            monitor.update(done, {**metrics, "tokens_per_s": tps})
+            is_eval = done == start + 1 or done % eval_every == 0 or done == steps
+            if is_eval or done % cfg.steps_per_print == 0:
+                row = {"step": done, **metrics, "tokens_per_s": tps, "eval_loss": None}
+                if is_eval:
+                    row["eval_loss"] = self.evaluate()
+                    if np.isnan(summary.first_eval_loss):
+                        summary.first_eval_loss = row["eval_loss"]
+                    summary.eval_loss = row["eval_loss"]
+                monitor.log(row)
+                window_time, window_steps = 0.0, 0
+            summary.train_loss, summary.steps = metrics["loss"], done
+        summary.tokens_per_s = (summary.steps - start) * tokens_per_step / max(total_time, 1e-9)
+        return summary
+
+
+def _memory(compiled) -> dict[str, int]:
+    """Per-device bytes of the compiled step (arguments, outputs, temporaries, aliased, peak)."""
+    stats = compiled.memory_analysis()
+    if stats is None:
+        return {}
+    mem = {"arguments": stats.argument_size_in_bytes, "outputs": stats.output_size_in_bytes,
+           "temporaries": stats.temp_size_in_bytes, "aliased": stats.alias_size_in_bytes}
+    mem["peak"] = mem["arguments"] + mem["outputs"] + mem["temporaries"] - mem["aliased"]
+    return mem

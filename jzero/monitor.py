@@ -1,0 +1,135 @@
+"""What a run shows and records: a live progress bar, log lines, CSV and TensorBoard metrics.
+
+`OUT/metrics.csv` always gets a row per logged step (columns `CSV_COLUMNS`; ``eval_loss`` only
+where it was measured). DeepSpeed's ``tensorboard`` section adds event files (tensorboardX: it
+writes TensorBoard's format without TensorFlow) and ``csv_monitor`` a second CSV where it says.
+Only process 0 writes or prints.
+"""
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+from typing import Any
+
+import jax
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from jzero.config import Config, MonitorConfig
+
+CSV_COLUMNS = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "eval_loss")
+
+
+class CsvWriter:
+    """One row per logged step. A run from step 0 starts the file anew; a resumed run appends."""
+
+    def __init__(self, path: Path, append: bool):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fresh = not append or not path.exists() or path.stat().st_size == 0
+        self._file = open(path, "w" if fresh else "a", newline="", encoding="utf-8")
+        self._writer = csv.DictWriter(self._file, fieldnames=CSV_COLUMNS)
+        if fresh:
+            self._writer.writeheader()
+            self._file.flush()
+
+    def write(self, row: dict[str, Any]) -> None:
+        self._writer.writerow({k: _fmt(row.get(k)) for k in CSV_COLUMNS})
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class TensorBoardWriter:
+    def __init__(self, logdir: Path):
+        from tensorboardX import SummaryWriter
+
+        self._writer = SummaryWriter(logdir=str(logdir))
+
+    def write(self, row: dict[str, Any]) -> None:
+        for key, value in row.items():
+            if key != "step" and value is not None:
+                self._writer.add_scalar(f"train/{key}", value, row["step"])
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return repr(value)
+    return str(value)
+
+
+def _section_dir(section: MonitorConfig, out: Path, default: str) -> Path:
+    base = Path(section.output_path) if section.output_path else out / default
+    return base / section.job_name
+
+
+class Monitor:
+    """Progress bar + log lines + metric writers for one run (silent on processes other than 0)."""
+
+    def __init__(self, config: Config, out: Path, total_steps: int, start_step: int = 0,
+                 console: Console | None = None):
+        self.active = jax.process_index() == 0
+        self.console = console or Console(highlight=False, soft_wrap=True)
+        self.print_every = config.steps_per_print
+        self._writers: list[Any] = []
+        self._progress = None
+        if not self.active:
+            return
+        self._writers.append(CsvWriter(out / "metrics.csv", append=start_step > 0))
+        if config.csv_monitor.enabled:
+            self._writers.append(CsvWriter(_section_dir(config.csv_monitor, out, "csv_monitor") / "metrics.csv",
+                                           append=start_step > 0))
+        if config.tensorboard.enabled:
+            self._writers.append(TensorBoardWriter(_section_dir(config.tensorboard, out, "tensorboard")))
+        self._progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                                  TextColumn("{task.fields[info]}"), TimeRemainingColumn(),
+                                  console=self.console, transient=True)
+        self._task = self._progress.add_task("train", total=total_steps, completed=start_step, info="")
+        self._progress.start()
+
+    def print(self, *args: Any) -> None:
+        if self.active:
+            self.console.print(*args)
+
+    def update(self, step: int, info: dict[str, float]) -> None:
+        """Advance the bar to ``step`` showing loss / lr / tokens/s."""
+        if self._progress is not None:
+            text = (f"loss {info['loss']:.4f}  lr {info['lr']:.2e}  {info['tokens_per_s']:,.0f} tok/s")
+            self._progress.update(self._task, completed=step, info=text)
+
+    def log(self, row: dict[str, Any]) -> None:
+        """Record a logged step in every writer and print it as one line."""
+        if not self.active:
+            return
+        for writer in self._writers:
+            writer.write(row)
+        parts = [f"step {row['step']:>6}", f"loss {row['loss']:.4f}", f"lr {row['lr']:.3e}",
+                 f"grad_norm {row['grad_norm']:.3f}", f"{row['tokens_per_s']:,.0f} tok/s"]
+        if row.get("eval_loss") is not None:
+            parts.append(f"held-out {row['eval_loss']:.4f}")
+        self.console.print("  ".join(parts))
+
+    def summary(self, title: str, rows: list[tuple[str, str]]) -> None:
+        if not self.active:
+            return
+        table = Table(title=title, show_header=False)
+        table.add_column(style="bold")
+        table.add_column(justify="right")
+        for key, value in rows:
+            table.add_row(key, value)
+        self.console.print(table)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+        for writer in self._writers:
+            writer.close()
+        self._writers = []
