@@ -30,6 +30,17 @@ class ConfigWarning(UserWarning):
     """A DeepSpeed key that jzero accepts but that has no effect under XLA."""
 
 
+def unknown(where: str, label: str, name: str, valid: Any, cutoff: float = 0.6) -> ConfigError:
+    """The error for an unknown name, with the closest valid one suggested and all listed."""
+    valid = list(valid)
+    close = difflib.get_close_matches(name, valid, n=1, cutoff=cutoff)
+    if not close:
+        lowered = {v.lower(): v for v in valid}
+        close = [lowered[c] for c in difflib.get_close_matches(name.lower(), lowered, n=1, cutoff=cutoff)]
+    hint = f"did you mean '{close[0]}'? " if close else ""
+    return ConfigError(f"{where}: unknown {label}; {hint}valid: {', '.join(valid)}")
+
+
 def _auto(default: Any = None, **kw: Any) -> Any:
     """A field that may also be written as ``"auto"`` (resolved by `load_config`)."""
     return field(default=default, metadata={"auto": True}, **kw)
@@ -349,9 +360,7 @@ def _parse(cls: type, data: Any, path: str) -> Any:
     for key, value in data.items():
         where = f"{path}.{key}" if path else key
         if key not in fields:
-            close = difflib.get_close_matches(key, fields, n=1, cutoff=0.6)
-            hint = f"did you mean '{close[0]}'? " if close else ""
-            raise ConfigError(f"{where}: unknown key; {hint}valid keys: {', '.join(sorted(fields))}")
+            raise unknown(where, "key", key, sorted(fields))
         if value == AUTO and fields[key].metadata.get("auto"):
             values[key] = AUTO
             continue
@@ -498,9 +507,7 @@ def _validate(cfg: Config) -> None:
     from jzero.schedules import validate_scheduler
 
     if cfg.jzero.remat not in POLICIES:
-        close = difflib.get_close_matches(cfg.jzero.remat, POLICIES, n=1)
-        hint = f"did you mean '{close[0]}'? " if close else ""
-        raise ConfigError(f"jzero.remat: unknown policy '{cfg.jzero.remat}'; {hint}valid: {', '.join(POLICIES)}")
+        raise unknown("jzero.remat", f"policy '{cfg.jzero.remat}'", cfg.jzero.remat, POLICIES)
     gpt_config(cfg.jzero.model)
     validate_optimizer(cfg.optimizer)
     if cfg.scheduler is not None:

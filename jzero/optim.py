@@ -8,7 +8,6 @@ it, and later folds it into fp16 unscaling) and scales the grads before calling 
 """
 from __future__ import annotations
 
-import difflib
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -17,7 +16,7 @@ import jax.numpy as jnp
 import optax
 
 from jzero import schedules
-from jzero.config import AUTO, Config, ConfigError, OptimizerConfig
+from jzero.config import AUTO, Config, ConfigError, OptimizerConfig, unknown
 
 # canonical type -> {param: default}; DeepSpeed's defaults (FusedAdam, FusedLamb, Lion, torch SGD).
 PARAMS: dict[str, dict[str, Any]] = {
@@ -48,9 +47,7 @@ class Optimizer(NamedTuple):
 def canonical_name(name: str) -> str:
     by_lower = {k.lower(): k for k in PARAMS}
     if name.lower() not in by_lower:
-        close = difflib.get_close_matches(name.lower(), by_lower, n=1, cutoff=0.5)
-        hint = f"did you mean '{by_lower[close[0]]}'? " if close else ""
-        raise ConfigError(f"optimizer.type: unknown optimizer '{name}'; {hint}valid: {', '.join(PARAMS)}")
+        raise unknown("optimizer.type", f"optimizer '{name}'", name, PARAMS, cutoff=0.5)
     return by_lower[name.lower()]
 
 
@@ -62,9 +59,7 @@ def resolve_params(opt: OptimizerConfig) -> dict[str, Any]:
     for key, value in opt.params.items():
         where = f"optimizer.params.{key}"
         if key not in table:
-            close = difflib.get_close_matches(key, table, n=1)
-            hint = f"did you mean '{close[0]}'? " if close else ""
-            raise ConfigError(f"{where}: unknown key for {name}; {hint}valid keys: {', '.join(table)}")
+            raise unknown(where, f"key for {name}", key, table)
         if value == AUTO:
             raise ConfigError(f"{where}: 'auto' has no source in jzero (no HF TrainingArguments); set a value")
         out[key] = _check_value(where, table[key], value)

@@ -8,14 +8,13 @@ OneCycle also cycles momentum (beta1, or SGD momentum) inversely; `build` return
 """
 from __future__ import annotations
 
-import difflib
 import math
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 
-from jzero.config import AUTO, Config, ConfigError, SchedulerConfig
+from jzero.config import AUTO, Config, ConfigError, SchedulerConfig, unknown
 
 Schedule = Callable[[Any], Any]
 REQUIRED = object()  # marks a parameter without a default
@@ -52,9 +51,7 @@ def resolve_params(sched: SchedulerConfig, cfg: Config, base_lr: float) -> dict[
     for key, value in sched.params.items():
         where = f"scheduler.params.{key}"
         if key not in table:
-            close = difflib.get_close_matches(key, table, n=1)
-            hint = f"did you mean '{close[0]}'? " if close else ""
-            raise ConfigError(f"{where}: unknown key for {name}; {hint}valid keys: {', '.join(table)}")
+            raise unknown(where, f"key for {name}", key, table)
         if value == AUTO:
             value = _auto(key, cfg, base_lr)
         elif key in ("warmup_type",):
@@ -83,9 +80,7 @@ def resolve_params(sched: SchedulerConfig, cfg: Config, base_lr: float) -> dict[
 def canonical_name(name: str) -> str:
     by_lower = {k.lower(): k for k in PARAMS}
     if name.lower() not in by_lower:
-        close = difflib.get_close_matches(name, PARAMS, n=1, cutoff=0.5)
-        hint = f"did you mean '{close[0]}'? " if close else ""
-        raise ConfigError(f"scheduler.type: unknown scheduler '{name}'; {hint}valid: {', '.join(PARAMS)}")
+        raise unknown("scheduler.type", f"scheduler '{name}'", name, PARAMS, cutoff=0.5)
     return by_lower[name.lower()]
 
 
@@ -122,25 +117,14 @@ def _warmup_gamma(t: Any, warmup: int, kind: str) -> Any:
 
 
 def _warmup_lr(p: Mapping[str, Any], _base: float) -> Schedules:
-    warmup = max(2, p["warmup_num_steps"])
+    """WarmupLR, and WarmupDecayLR when ``total_num_steps`` is present (linear decay after)."""
+    warmup, total = max(2, p["warmup_num_steps"]), p.get("total_num_steps")
     lo, hi = p["warmup_min_lr"], p["warmup_max_lr"]
 
     def lr(t):
         t = jnp.asarray(t, jnp.float32)
-        gamma = jnp.where(t < warmup, _warmup_gamma(t, warmup, p["warmup_type"]), 1.0)
-        return lo + (hi - lo) * gamma
-
-    return Schedules(lr, None)
-
-
-def _warmup_decay_lr(p: Mapping[str, Any], _base: float) -> Schedules:
-    warmup, total = max(2, p["warmup_num_steps"]), p["total_num_steps"]
-    lo, hi = p["warmup_min_lr"], p["warmup_max_lr"]
-
-    def lr(t):
-        t = jnp.asarray(t, jnp.float32)
-        decay = jnp.maximum(0.0, (total - t) / max(1.0, total - warmup))
-        gamma = jnp.where(t < warmup, _warmup_gamma(t, warmup, p["warmup_type"]), decay)
+        after = 1.0 if total is None else jnp.maximum(0.0, (total - t) / max(1.0, total - warmup))
+        gamma = jnp.where(t < warmup, _warmup_gamma(t, warmup, p["warmup_type"]), after)
         return lo + (hi - lo) * gamma
 
     return Schedules(lr, None)
@@ -221,7 +205,7 @@ def _lr_range_test(p: Mapping[str, Any], _base: float) -> Schedules:
 
 _BUILDERS: dict[str, Callable[[Mapping[str, Any], float], Schedules]] = {
     "WarmupLR": _warmup_lr,
-    "WarmupDecayLR": _warmup_decay_lr,
+    "WarmupDecayLR": _warmup_lr,
     "WarmupCosineLR": _warmup_cosine_lr,
     "OneCycle": _one_cycle,
     "LRRangeTest": _lr_range_test,

@@ -30,8 +30,9 @@ def read_csv(path):
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_train_every_stage_writes_metrics(tmp_path, stage):
     out = tmp_path / f"zero{stage}"
+    monitors = ["--set", "tensorboard.enabled=true", "--set", "csv_monitor.enabled=true"] if stage == 1 else []
     proc = jzero_cli("train", str(TINY), "--out", str(out), "--devices", "4",
-                     "--set", f"zero_optimization.stage={stage}", *FAST)
+                     "--set", f"zero_optimization.stage={stage}", *FAST, *monitors)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "summary" in proc.stdout and "sample" in proc.stdout and f"ZeRO stage {stage}" in proc.stdout
     assert "'replica': 1, 'fsdp': 4" in proc.stdout
@@ -41,6 +42,9 @@ def test_train_every_stage_writes_metrics(tmp_path, stage):
     for r in rows:
         assert all(float(r[k]) >= 0 for k in ("loss", "lr", "grad_norm", "tokens_per_s"))
     assert [r["eval_loss"] != "" for r in rows] == [True, True, False, True]  # first, every 2nd, last
+    if monitors:  # DeepSpeed's monitor sections: TensorBoard events and a second CSV
+        assert list((out / "tensorboard" / "jzero").glob("events.out.tfevents.*"))
+        assert read_csv(out / "csv_monitor" / "jzero" / "metrics.csv") == rows
     if stage == 3:
         again = jzero_cli("train", str(TINY), "--out", str(tmp_path / "again"), "--devices", "4",
                           "--set", "zero_optimization.stage=3", *FAST)
