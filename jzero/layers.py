@@ -7,9 +7,9 @@ dimension (`jzero.sharding.STACKED_KEY`). One function serves Linen and NNX:
 * Linen: ``scan_layers(Block(...), n)`` returns a Linen module; call it on the hidden state.
 * NNX: ``scan_layers(lambda rngs: Block(..., rngs=rngs), n, rngs=rngs)`` returns an NNX module.
 
-Blocks map ``x -> x`` (same shape). The scan body is where per-layer ZeRO hooks belong
-(gather each layer's params before use, reduce-scatter its gradient after): one place, both
-frameworks, because both bodies call the block through `_apply_block`.
+Blocks map ``x -> x`` (same shape; leading dim = batch). Both frameworks hand `run_stack` a pure
+``apply_layer`` and the stacked params, so the per-layer ZeRO hooks (`jzero.hooks`: gather each
+layer's params before use, reduce-scatter its gradient after) live in one place.
 """
 from __future__ import annotations
 
@@ -17,9 +17,10 @@ from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
+import jax
 from flax import nnx
 
-from jzero import remat
+from jzero import hooks, remat
 from jzero.sharding import STACKED_KEY
 
 
@@ -40,19 +41,29 @@ def scan_layers(block: nn.Module | Callable[[nnx.Rngs], nnx.Module], length: int
     return NNXScanLayers(block, length, remat_policy=remat_policy, rngs=rngs)
 
 
-def _apply_block(block: Any, x: Any) -> Any:
-    return block(x)
+def run_stack(apply_layer: Callable[[Any, Any, Any], Any], x: Any, stacked: Any, extra: Any,
+              remat_policy: str) -> Any:
+    """Scan ``apply_layer(layer_params, x, layer_extra)`` over the leading (layer) axis.
 
+    The one code path of both frameworks. Under the jzero step at stage >= 2 the body is the
+    per-layer ZeRO hook (`jzero.hooks`); otherwise a plain scan body under the remat policy.
+    """
+    length = jax.tree.leaves(stacked)[0].shape[0]
+    policy = remat.policy(remat_policy)
+    ctx = hooks.current()
+    if ctx is not None:
+        body = hooks.layer_body(ctx, apply_layer, policy, length)
+    else:
+        def body(carry, xs):
+            return apply_layer(xs[0], carry, xs[1]), None
 
-def _rematted(fn: Callable, policy_name: str, checkpoint: Callable) -> Callable:
-    """``fn`` under the named remat policy, via the framework's ``checkpoint`` transform."""
-    if remat.policy(policy_name) is None:
-        return fn
-    return checkpoint(fn, policy=remat.policy(policy_name), prevent_cse=False)
+        if remat_policy != "none":
+            body = jax.checkpoint(body, policy=policy, prevent_cse=False)
+    return jax.lax.scan(body, x, (stacked, extra))[0]
 
 
 class LinenScanLayers(nn.Module):
-    """Linen stack: params of ``block`` get a leading axis of size ``length`` under "stacked"."""
+    """Linen stack: ``block``'s params, stacked along a leading layer axis, live under "stacked"."""
 
     block: nn.Module
     length: int
@@ -60,18 +71,24 @@ class LinenScanLayers(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        def body(module, carry, _):
-            return _apply_block(module, carry), None
+        block = self.block.clone(parent=None)  # used as a pure function: init / apply
 
-        body = _rematted(body, self.remat_policy, nn.remat)
-        scan = nn.scan(body, variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True},
-                       length=self.length)
-        x, _ = scan(self.block.clone(name=STACKED_KEY, parent=self), x, None)
-        return x
+        def init_stack(rng):
+            keys = jax.random.split(rng, self.length)
+            return jax.vmap(lambda k: block.init({"params": k, "dropout": k}, x)["params"])(keys)
+
+        stacked = self.param(STACKED_KEY, init_stack)
+        use_dropout = self.has_rng("dropout")
+        keys = jax.random.split(self.make_rng("dropout") if use_dropout else jax.random.key(0), self.length)
+
+        def apply_layer(params, h, key):
+            return block.apply({"params": params}, h, rngs={"dropout": key} if use_dropout else None)
+
+        return run_stack(apply_layer, x, stacked, keys, self.remat_policy)
 
 
 class NNXScanLayers(nnx.Module):
-    """NNX stack: ``length`` blocks created under ``nnx.vmap`` and applied with ``nnx.scan``."""
+    """NNX stack: ``length`` blocks created under ``nnx.vmap``; applied by `run_stack`."""
 
     def __init__(self, make_block: Callable[[nnx.Rngs], nnx.Module], length: int, *,
                  remat_policy: str = "full", rngs: nnx.Rngs):
@@ -81,13 +98,12 @@ class NNXScanLayers(nnx.Module):
             return make_block(r)
 
         setattr(self, STACKED_KEY, create(rngs))
-        self.length = length
         self.remat_policy = remat_policy
 
     def __call__(self, x):
-        def body(carry, block):
-            return _apply_block(block, carry)
+        graphdef, params, rest = nnx.split(getattr(self, STACKED_KEY), nnx.Param, ...)
 
-        body = _rematted(body, self.remat_policy, nnx.remat)
-        scan = nnx.scan(body, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
-        return scan(x, getattr(self, STACKED_KEY))
+        def apply_layer(layer_params, h, layer_rest):
+            return nnx.merge(graphdef, layer_params, layer_rest)(h)
+
+        return run_stack(apply_layer, x, params, rest, self.remat_policy)

@@ -78,32 +78,43 @@ def plan(params_shape: Any, tx: optax.GradientTransformation, mesh: Mesh, stage:
     """
     if stage not in ZERO_RULES:
         raise ValueError(f"zero_optimization.stage: {stage} is not one of 0, 1, 2, 3")
-    rule = ZERO_RULES[stage]
     n = mesh.shape[FSDP]
     if model_specs is None:
         model_specs = jax.tree.map(lambda _: P(), params_shape)
+    per_leaf = jax.tree_util.tree_map_with_path(
+        lambda path, x, base: leaf_specs(x.shape, stage, n, persistence_threshold, stacked=is_stacked(path),
+                                         base=base),
+        params_shape, model_specs)
 
-    def specs(shard: bool, threshold: int) -> Any:
-        def leaf(path, x, base):
-            if not shard or math.prod(x.shape) < threshold:
-                return NamedSharding(mesh, base)
-            return NamedSharding(mesh, zero_spec(x.shape, base, n, stacked=_is_stacked(path)))
+    def layout(field: str) -> Any:
+        return jax.tree.map(lambda ls: NamedSharding(mesh, getattr(ls, field)), per_leaf,
+                            is_leaf=lambda x: isinstance(x, LeafSpecs))
 
-        return jax.tree_util.tree_map_with_path(leaf, params_shape, model_specs)
-
-    update = specs(rule.opt_state, 0)
+    update = layout("update")
     replicated = NamedSharding(mesh, P())
     opt_shape = jax.eval_shape(tx.init, params_shape)
     opt_state = optax.tree_map_params(tx, lambda _, s: s, opt_shape, update,
                                       transform_non_params=lambda _: replicated,
                                       is_leaf=lambda x: isinstance(x, NamedSharding))
-    return Plan(mesh=mesh, stage=stage,
-                params=specs(rule.params, persistence_threshold),
-                grads=specs(rule.grads, 0),
-                update=update,
-                opt_state=opt_state,
-                batch=NamedSharding(mesh, P(DATA_AXES)),
-                replicated=replicated)
+    return Plan(mesh=mesh, stage=stage, params=layout("params"), grads=layout("grads"), update=update,
+                opt_state=opt_state, batch=NamedSharding(mesh, P(DATA_AXES)), replicated=replicated)
+
+
+class LeafSpecs(NamedTuple):
+    params: P
+    grads: P
+    update: P
+
+
+def leaf_specs(shape: tuple[int, ...], stage: int, n: int, persistence_threshold: int = 0, *,
+               stacked: bool = False, base: P = P()) -> LeafSpecs:
+    """One leaf's row of the ZeRO table: its stored, reduced-gradient and update layouts."""
+    rule = ZERO_RULES[stage]
+    sharded = zero_spec(shape, base, n, stacked=stacked)
+    persistent = math.prod(shape) < persistence_threshold
+    return LeafSpecs(params=sharded if rule.params and not persistent else base,
+                     grads=sharded if rule.grads else base,
+                     update=sharded if rule.opt_state else base)
 
 
 def zero_spec(shape: tuple[int, ...], base: P, n: int, *, stacked: bool = False) -> P:
@@ -122,5 +133,6 @@ def zero_spec(shape: tuple[int, ...], base: P, n: int, *, stacked: bool = False)
     return P(*entries)
 
 
-def _is_stacked(path: tuple) -> bool:
+def is_stacked(path: tuple) -> bool:
+    """Whether a leaf at ``path`` (a jax key path) lives in a scan_layers stack."""
     return any(getattr(k, "key", getattr(k, "name", None)) == STACKED_KEY for k in path)

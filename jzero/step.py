@@ -17,8 +17,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jzero import precision
+from jzero import hooks, precision
 from jzero.mesh import DATA_AXES
+from jzero.sharding import is_stacked
 from jzero.state import TrainState
 
 _constrain = jax.lax.with_sharding_constraint
@@ -53,10 +54,28 @@ def train_step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax
 
 
 def _loss_and_aux(state: TrainState, params: Any, batch: Any, rng: jax.Array):
+    """The user's loss on params cast to the compute dtype. At stage >= 2 the per-layer hooks
+    of `scan_layers` are active; they cast the stacked params themselves (after the fp32
+    reduce-scatter in backward, so gradients are reduced in fp32)."""
     compute = precision.policy(state.config).compute_dtype
-    out = state.loss_fn(precision.cast_floating(params, compute), batch, rng)
+    ctx = _hook_context(state, compute)
+    if ctx is None:
+        params = precision.cast_floating(params, compute)
+    else:
+        params = jax.tree_util.tree_map_with_path(
+            lambda path, x: x if is_stacked(path) else precision.cast_floating(x, compute), params)
+    with hooks.active(ctx):
+        out = state.loss_fn(params, batch, rng)
     loss, aux = out if isinstance(out, tuple) else (out, None)
     return loss.astype(jnp.float32), aux
+
+
+def _hook_context(state: TrainState, compute: Any) -> hooks.HookContext | None:
+    stage = state.config.zero_optimization.stage
+    if stage < 2:
+        return None  # replicated grads: GSPMD's all-reduce is the stage's collective
+    return hooks.HookContext(mesh=state.plan.mesh, stage=stage, compute_dtype=compute,
+                             persistence_threshold=state.config.zero_optimization.stage3_param_persistence_threshold)
 
 
 def _accumulated_grads(state: TrainState, batch: Any, rng: jax.Array):

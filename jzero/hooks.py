@@ -1,0 +1,196 @@
+"""Per-layer ZeRO hooks inside the scanned layer stack (DESIGN §3): the collectives of stages 2
+and 3 written out explicitly, because GSPMD left to itself gathers activations instead of
+weights, keeps fp32 on the wire, and reduces full gradients where a reduce-scatter is due.
+
+While the jzero step traces the loss at stage >= 2 it activates a `HookContext`; `scan_layers`
+then runs each layer under ``jax.shard_map`` over the data axes (activations stay batch-sharded,
+each device computes its local slice) and feeds the block its params through one of three
+custom-VJP hooks, chosen per leaf by the ZeRO table (`jzero.sharding.leaf_specs`):
+
+* ``gather`` (stored sharded, stage 3): all-gather the shard over "fsdp" in the compute dtype,
+  moved as its raw 16-bit pattern so no backend can widen it; backward: reduce-scatter the fp32
+  gradient over "fsdp" (then sum over "replica").
+* ``sink`` (stored replicated, gradient sharded: stage 2, or stage-3 persistent params): use the
+  local replica; backward: the same reduce-scatter into the gradient's shard.
+* ``replicate`` (nothing divisible): use the local replica; backward: all-reduce in fp32.
+
+The layer body is rematerialized with a policy that never saves a hook's output, so a gathered
+layer is dropped after use and gathered again for the backward pass (stage 3 moves 3Ψ).
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jzero.mesh import DATA_AXES
+from jzero.sharding import FSDP, LeafSpecs, leaf_specs
+
+REPLICA = DATA_AXES[0]
+
+
+@dataclass(frozen=True)
+class HookContext:
+    mesh: Mesh
+    stage: int
+    persistence_threshold: int
+    compute_dtype: Any
+
+
+_ACTIVE: contextvars.ContextVar[HookContext | None] = contextvars.ContextVar("jzero_hooks", default=None)
+
+
+@contextlib.contextmanager
+def active(ctx: HookContext | None) -> Iterator[None]:
+    """Make ``ctx`` the hook context while tracing (None: no hooks)."""
+    token = _ACTIVE.set(ctx)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def current() -> HookContext | None:
+    return _ACTIVE.get()
+
+
+def _fsdp_dim(spec: P) -> int | None:
+    return next((d for d, axis in enumerate(spec) if axis == FSDP), None)
+
+
+def _varying(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """Type a value that is the same on every device of ``axes`` as varying over them, so its
+    cotangent reaches the hook's backward unreduced (instead of through an automatic psum)."""
+    return jax.lax.pcast(x, axes, to="varying")
+
+
+def _to_wire(x: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(x, jnp.uint16) if x.dtype.itemsize == 2 else x
+
+
+def _from_wire(x: jax.Array, dtype: Any) -> jax.Array:
+    return jax.lax.bitcast_convert_type(x, dtype) if x.dtype == jnp.uint16 else x
+
+
+def _reduce_scatter(ct: jax.Array, dim: int) -> jax.Array:
+    """Sum the local fp32 gradients: scatter inside the ZeRO group, then add across replicas
+    (a group of one device when replica = 1: no data moves)."""
+    shard = jax.lax.psum_scatter(ct.astype(jnp.float32), FSDP, scatter_dimension=dim, tiled=True)
+    return jax.lax.psum(shard, REPLICA)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def gather(shard: jax.Array, dim: int, dtype: Any) -> jax.Array:
+    full = jax.lax.all_gather(_to_wire(shard.astype(dtype)), FSDP, axis=dim, tiled=True)
+    return _varying(_from_wire(full, dtype), (REPLICA,))  # all_gather output already varies over fsdp
+
+
+def _gather_fwd(shard, dim, dtype):
+    return gather(shard, dim, dtype), None
+
+
+def _gather_bwd(dim, dtype, _, ct):
+    return (_reduce_scatter(ct, dim),)
+
+
+gather.defvjp(_gather_fwd, _gather_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def sink(replica: jax.Array, shard: jax.Array, dim: int, dtype: Any) -> jax.Array:
+    return _varying(replica.astype(dtype), DATA_AXES)
+
+
+def _sink_fwd(replica, shard, dim, dtype):
+    return sink(replica, shard, dim, dtype), None
+
+
+def _sink_bwd(dim, dtype, _, ct):
+    return None, _reduce_scatter(ct, dim)
+
+
+sink.defvjp(_sink_fwd, _sink_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def replicate(replica: jax.Array, dtype: Any) -> jax.Array:
+    return _varying(replica.astype(dtype), DATA_AXES)
+
+
+def _replicate_fwd(replica, dtype):
+    return replicate(replica, dtype), None
+
+
+def _replicate_bwd(dtype, _, ct):
+    return (jax.lax.psum(ct.astype(jnp.float32), DATA_AXES),)
+
+
+replicate.defvjp(_replicate_fwd, _replicate_bwd)
+
+
+def _never_save_hooks(base: Callable | None) -> Callable:
+    """``base`` remat policy, except that no custom-VJP output (the hooks') is ever saved."""
+    def policy(prim, *args, **params):
+        if prim.name.startswith("custom_vjp_call"):
+            return False
+        return True if base is None else base(prim, *args, **params)
+
+    return policy
+
+
+def layer_body(ctx: HookContext, apply_layer: Callable, policy: Callable | None, length: int) -> Callable:
+    """A ``lax.scan`` body ``(carry, (params, extra)) -> (carry, None)`` that runs one layer per
+    device under ``shard_map`` with the hooks above. ``length`` is the number of layers (the ZeRO
+    table is read for the stacked leaf, whose leading dimension is the layer index)."""
+    n = ctx.mesh.shape[FSDP]
+    checkpoint_policy = _never_save_hooks(policy)
+
+    def specs_of(x: jax.Array) -> LeafSpecs:
+        full = leaf_specs((length, *x.shape), ctx.stage, n, ctx.persistence_threshold, stacked=True)
+        return LeafSpecs(*(P(*s[1:]) for s in full))
+
+    def body(carry, xs):
+        params, extra = xs
+        leaves, treedef = jax.tree.flatten(params)
+        kinds = [specs_of(x) for x in leaves]
+        inputs, in_specs = [], []
+        for x, ls in zip(leaves, kinds):
+            if _fsdp_dim(ls.params) is not None:
+                inputs.append(x)
+                in_specs.append(ls.params)
+            elif _fsdp_dim(ls.grads) is not None:
+                inputs += [jax.lax.stop_gradient(x),
+                           jax.lax.with_sharding_constraint(x, NamedSharding(ctx.mesh, ls.grads))]
+                in_specs += [P(), ls.grads]
+            else:
+                inputs.append(x)
+                in_specs.append(P())
+
+        def local(carry, extra, *inputs):
+            it, ws = iter(inputs), []
+            for ls in kinds:
+                dim_p, dim_g = _fsdp_dim(ls.params), _fsdp_dim(ls.grads)
+                if dim_p is not None:
+                    ws.append(gather(next(it), dim_p, ctx.compute_dtype))
+                elif dim_g is not None:
+                    rep, shard = next(it), next(it)
+                    ws.append(sink(rep, shard, dim_g, ctx.compute_dtype))
+                else:
+                    ws.append(replicate(next(it), ctx.compute_dtype))
+            return apply_layer(jax.tree.unflatten(treedef, ws), carry, extra)
+
+        local = jax.checkpoint(local, policy=checkpoint_policy, prevent_cse=False)
+        carry_specs = jax.tree.map(lambda _: P(DATA_AXES), carry)
+        extra_specs = jax.tree.map(lambda _: P(), extra)
+        out = jax.shard_map(local, mesh=ctx.mesh, in_specs=(carry_specs, extra_specs, *in_specs),
+                            out_specs=carry_specs)(carry, extra, *inputs)
+        return out, None
+
+    return body
