@@ -1,8 +1,8 @@
-"""Per-layer ZeRO hooks inside the scanned layer stack (DESIGN §3): the collectives of stages 2
-and 3 written out explicitly, because GSPMD left to itself gathers activations instead of
+"""Per-layer ZeRO hooks inside the scanned layer stack (DESIGN §3): the collectives of stages 1-3
+written out explicitly, because GSPMD left to itself gathers activations instead of
 weights, keeps fp32 on the wire, and reduces full gradients where a reduce-scatter is due.
 
-While the jzero step traces the loss at stage >= 2 it activates a `HookContext`; `scan_layers`
+While the jzero step traces the loss at stage >= 1 it activates a `HookContext`; `scan_layers`
 then runs each layer under ``jax.shard_map`` over the data axes (activations stay batch-sharded,
 each device computes its local slice) and feeds the block its params through one of three
 custom-VJP hooks, chosen per leaf by the ZeRO table (`jzero.sharding.leaf_specs`):
@@ -10,7 +10,7 @@ custom-VJP hooks, chosen per leaf by the ZeRO table (`jzero.sharding.leaf_specs`
 * ``gather`` (stored sharded, stage 3): all-gather the shard over "fsdp" in the compute dtype,
   moved as its raw 16-bit pattern so no backend can widen it; backward: reduce-scatter the fp32
   gradient over "fsdp" (then sum over "replica").
-* ``sink`` (stored replicated, gradient sharded: stage 2, or stage-3 persistent params): use the
+* ``sink`` (stored replicated, gradient sharded: stages 1-2, or stage-3 persistent params): use the
   local replica; backward: the same reduce-scatter into the gradient's shard.
 * ``replicate`` (nothing divisible): use the local replica; backward: all-reduce in fp32.
 
@@ -145,52 +145,55 @@ def _never_save_hooks(base: Callable | None) -> Callable:
     return policy
 
 
-def layer_body(ctx: HookContext, apply_layer: Callable, policy: Callable | None, length: int) -> Callable:
-    """A ``lax.scan`` body ``(carry, (params, extra)) -> (carry, None)`` that runs one layer per
-    device under ``shard_map`` with the hooks above. ``length`` is the number of layers (the ZeRO
-    table is read for the stacked leaf, whose leading dimension is the layer index)."""
+def scan(ctx: HookContext, apply_layer: Callable, policy: Callable | None, x: Any, stacked: Any,
+         extra: Any) -> Any:
+    """``lax.scan`` of ``apply_layer(layer_params, carry, layer_extra)`` over the stacked layers,
+    one layer per device under ``shard_map`` with the hooks above, chosen per leaf from the ZeRO
+    table for the stacked leaf. Each leaf's per-layer view is laid out before the loop, so GSPMD
+    has nothing to re-gather inside it."""
     n = ctx.mesh.shape[FSDP]
     checkpoint_policy = _never_save_hooks(policy)
+    leaves, treedef = jax.tree.flatten(stacked)
+    kinds, inputs, in_specs = [], [], []
 
-    def specs_of(x: jax.Array) -> LeafSpecs:
-        full = leaf_specs((length, *x.shape), ctx.stage, n, ctx.persistence_threshold, stacked=True)
-        return LeafSpecs(*(P(*s[1:]) for s in full))
+    def pinned(v: jax.Array, spec: P) -> jax.Array:
+        return jax.lax.with_sharding_constraint(v, NamedSharding(ctx.mesh, P(None, *spec)))
+
+    for leaf in leaves:
+        full = leaf_specs(leaf.shape, ctx.stage, n, ctx.persistence_threshold, stacked=True)
+        ls = LeafSpecs(*(P(*spec[1:]) for spec in full))
+        kinds.append(ls)
+        if _fsdp_dim(ls.params) is not None:
+            inputs.append(pinned(leaf, ls.params))
+            in_specs.append(ls.params)
+        elif _fsdp_dim(ls.grads) is not None:
+            inputs += [pinned(jax.lax.stop_gradient(leaf), P()), pinned(leaf, ls.grads)]
+            in_specs += [P(), ls.grads]
+        else:
+            inputs.append(pinned(leaf, P()))
+            in_specs.append(P())
+
+    def local(carry, layer_extra, *layer_inputs):
+        it, ws = iter(layer_inputs), []
+        for ls in kinds:
+            dim_p, dim_g = _fsdp_dim(ls.params), _fsdp_dim(ls.grads)
+            if dim_p is not None:
+                ws.append(gather(next(it), dim_p, ctx.compute_dtype))
+            elif dim_g is not None:
+                rep, shard = next(it), next(it)
+                ws.append(sink(rep, shard, dim_g, ctx.compute_dtype))
+            else:
+                ws.append(replicate(next(it), ctx.compute_dtype))
+        return apply_layer(jax.tree.unflatten(treedef, ws), carry, layer_extra)
+
+    local = jax.checkpoint(local, policy=checkpoint_policy, prevent_cse=False)
 
     def body(carry, xs):
-        params, extra = xs
-        leaves, treedef = jax.tree.flatten(params)
-        kinds = [specs_of(x) for x in leaves]
-        inputs, in_specs = [], []
-        for x, ls in zip(leaves, kinds):
-            if _fsdp_dim(ls.params) is not None:
-                inputs.append(x)
-                in_specs.append(ls.params)
-            elif _fsdp_dim(ls.grads) is not None:
-                inputs += [jax.lax.stop_gradient(x),
-                           jax.lax.with_sharding_constraint(x, NamedSharding(ctx.mesh, ls.grads))]
-                in_specs += [P(), ls.grads]
-            else:
-                inputs.append(x)
-                in_specs.append(P())
-
-        def local(carry, extra, *inputs):
-            it, ws = iter(inputs), []
-            for ls in kinds:
-                dim_p, dim_g = _fsdp_dim(ls.params), _fsdp_dim(ls.grads)
-                if dim_p is not None:
-                    ws.append(gather(next(it), dim_p, ctx.compute_dtype))
-                elif dim_g is not None:
-                    rep, shard = next(it), next(it)
-                    ws.append(sink(rep, shard, dim_g, ctx.compute_dtype))
-                else:
-                    ws.append(replicate(next(it), ctx.compute_dtype))
-            return apply_layer(jax.tree.unflatten(treedef, ws), carry, extra)
-
-        local = jax.checkpoint(local, policy=checkpoint_policy, prevent_cse=False)
+        layer_extra, layer_inputs = xs
         carry_specs = jax.tree.map(lambda _: P(DATA_AXES), carry)
-        extra_specs = jax.tree.map(lambda _: P(), extra)
+        extra_specs = jax.tree.map(lambda _: P(), layer_extra)
         out = jax.shard_map(local, mesh=ctx.mesh, in_specs=(carry_specs, extra_specs, *in_specs),
-                            out_specs=carry_specs)(carry, extra, *inputs)
+                            out_specs=carry_specs)(carry, layer_extra, *layer_inputs)
         return out, None
 
-    return body
+    return jax.lax.scan(body, x, (extra, tuple(inputs)))[0]

@@ -45,20 +45,19 @@ def run_stack(apply_layer: Callable[[Any, Any, Any], Any], x: Any, stacked: Any,
               remat_policy: str) -> Any:
     """Scan ``apply_layer(layer_params, x, layer_extra)`` over the leading (layer) axis.
 
-    The one code path of both frameworks. Under the jzero step at stage >= 2 the body is the
+    The one code path of both frameworks. Under the jzero step at stage >= 1 the body is the
     per-layer ZeRO hook (`jzero.hooks`); otherwise a plain scan body under the remat policy.
     """
-    length = jax.tree.leaves(stacked)[0].shape[0]
     policy = remat.policy(remat_policy)
     ctx = hooks.current()
     if ctx is not None:
-        body = hooks.layer_body(ctx, apply_layer, policy, length)
-    else:
-        def body(carry, xs):
-            return apply_layer(xs[0], carry, xs[1]), None
+        return hooks.scan(ctx, apply_layer, policy, x, stacked, extra)
 
-        if remat_policy != "none":
-            body = jax.checkpoint(body, policy=policy, prevent_cse=False)
+    def body(carry, xs):
+        return apply_layer(xs[0], carry, xs[1]), None
+
+    if remat_policy != "none":
+        body = jax.checkpoint(body, policy=policy, prevent_cse=False)
     return jax.lax.scan(body, x, (stacked, extra))[0]
 
 

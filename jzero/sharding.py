@@ -5,7 +5,7 @@ A stage says which of the three model states are sharded over the mesh's "fsdp" 
     stage | params (stored) | grads (reduced) | optimizer state
     ------+-----------------+-----------------+----------------
       0   | replicated      | replicated      | replicated
-      1   | replicated      | replicated      | sharded
+      1   | replicated      | sharded         | sharded
       2   | replicated      | sharded         | sharded
       3   | sharded         | sharded         | sharded
 
@@ -39,7 +39,7 @@ class ZeroRule(NamedTuple):
 
 ZERO_RULES: dict[int, ZeroRule] = {
     0: ZeroRule(params=False, grads=False, opt_state=False),
-    1: ZeroRule(params=False, grads=False, opt_state=True),
+    1: ZeroRule(params=False, grads=True, opt_state=True),  # see docs/design.md: stage 1 == 2 here
     2: ZeroRule(params=False, grads=True, opt_state=True),
     3: ZeroRule(params=True, grads=True, opt_state=True),
 }

@@ -4,7 +4,7 @@ The global batch (leading dim = ``train_batch_size``) is split into
 ``gradient_accumulation_steps`` micro-batches without moving data between devices: micro-batch
 k takes the k-th chunk of every device's slice. Gradients are accumulated by ``lax.scan`` in
 ``data_types.grad_accum_dtype`` (fp32), laid out like the stage's reduced grads, so the
-accumulator of stage >= 2 is sharded. The update runs where the optimizer state lives
+accumulator of stage >= 1 is sharded. The update runs where the optimizer state lives
 (sharded for stage >= 1) and the new params are re-laid out per the Plan (an all-gather at
 stages 1-2). Every output is pinned to the Plan, so the state keeps its sharding step after step.
 """
@@ -54,7 +54,7 @@ def train_step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax
 
 
 def _loss_and_aux(state: TrainState, params: Any, batch: Any, rng: jax.Array):
-    """The user's loss on params cast to the compute dtype. At stage >= 2 the per-layer hooks
+    """The user's loss on params cast to the compute dtype. At stage >= 1 the per-layer hooks
     of `scan_layers` are active; they cast the stacked params themselves (after the fp32
     reduce-scatter in backward, so gradients are reduced in fp32)."""
     compute = precision.policy(state.config).compute_dtype
@@ -72,7 +72,7 @@ def _loss_and_aux(state: TrainState, params: Any, batch: Any, rng: jax.Array):
 
 def _hook_context(state: TrainState, compute: Any) -> hooks.HookContext | None:
     stage = state.config.zero_optimization.stage
-    if stage < 2:
+    if stage == 0:
         return None  # replicated grads: GSPMD's all-reduce is the stage's collective
     return hooks.HookContext(mesh=state.plan.mesh, stage=stage, compute_dtype=compute,
                              persistence_threshold=state.config.zero_optimization.stage3_param_persistence_threshold)

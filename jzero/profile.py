@@ -1,0 +1,254 @@
+"""Per-device memory and communication read from a compiled step, beside the ZeRO formulas.
+
+`memory` splits XLA's ``memory_analysis()`` by what the arguments are (params, optimizer
+state, batch, other), using the shardings the executable was compiled with. `comm` parses the
+partitioned HLO: every collective with its element count, dtype, group size and how often it runs
+(while loops multiply by their trip count), and totals the ZeRO-paper volume. `analytic` gives the
+paper's and DeepSpeed's estimator formulas to print beside the measurements, never instead.
+"""
+from __future__ import annotations
+
+import math
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import numpy as np
+
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4,
+               "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+
+
+# ------------------------------------------------------------------------------------------
+# Memory
+# ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MemoryReport:
+    """Bytes per device. ``arguments`` = params + opt_state + batch + other (persistent state
+    is params + opt_state + other); ``peak`` = arguments + outputs + temp - aliased."""
+
+    arguments: int
+    outputs: int
+    temp: int
+    aliased: int
+    params: int
+    opt_state: int
+    batch: int
+    other: int
+    num_params: int
+
+    @property
+    def peak(self) -> int:
+        return self.arguments + self.outputs + self.temp - self.aliased
+
+    @property
+    def persistent(self) -> int:
+        return self.arguments - self.batch
+
+    def per_param(self, nbytes: int) -> float:
+        return nbytes / self.num_params
+
+
+def memory(compiled: Any) -> MemoryReport:
+    """The per-device memory of a compiled ``jzero.train_step(state, batch)`` (or any
+    executable whose first argument is a TrainState and second the batch)."""
+    stats = compiled.memory_analysis()
+    if stats is None:
+        raise RuntimeError("this backend reports no memory_analysis() for compiled programs")
+    groups: dict[str, int] = defaultdict(int)
+    num_params = 0
+    shardings = {jax.tree_util.keystr(p): s
+                 for p, s in jax.tree_util.tree_flatten_with_path(compiled.input_shardings[0])[0]}
+    for path, info in jax.tree_util.tree_flatten_with_path(compiled.args_info[0])[0]:
+        aval = info._aval
+        sharding = shardings.get(jax.tree_util.keystr(path))
+        shard = sharding.shard_shape(aval.shape) if sharding is not None and aval.shape else aval.shape
+        nbytes = math.prod(shard) * aval.dtype.itemsize
+        group = _argument_group(path)
+        groups[group] += nbytes
+        if group == "params":
+            num_params += math.prod(aval.shape)
+    return MemoryReport(arguments=stats.argument_size_in_bytes, outputs=stats.output_size_in_bytes,
+                        temp=stats.temp_size_in_bytes, aliased=stats.alias_size_in_bytes,
+                        params=groups["params"], opt_state=groups["opt_state"], batch=groups["batch"],
+                        other=stats.argument_size_in_bytes - groups["params"] - groups["opt_state"]
+                        - groups["batch"], num_params=num_params)
+
+
+def _argument_group(path: tuple) -> str:
+    if path[0].idx == 1:  # args[1]: the batch
+        return "batch"
+    names = [getattr(k, "name", None) for k in path]
+    for group in ("params", "opt_state"):
+        if group in names:
+            return group
+    return "other"
+
+
+# ------------------------------------------------------------------------------------------
+# Communication
+# ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Collective:
+    kind: str
+    dtype: str
+    elements: int  # elements of the result (per device), all tuple parts together
+    group_size: int
+    count: int  # executions per step (trip counts of enclosing loops multiplied)
+    name: str
+
+    @property
+    def zero_elements(self) -> int:
+        """Elements per device per execution in the ZeRO paper's accounting: an all-gather
+        moves its result, a reduce-scatter its input, an all-reduce twice its size."""
+        if self.group_size <= 1:
+            return 0
+        return {"all-gather": self.elements, "reduce-scatter": self.elements * self.group_size,
+                "all-reduce": 2 * self.elements}.get(self.kind, self.elements)
+
+    @property
+    def ring_bytes(self) -> float:
+        """Bytes each device sends per execution with a ring algorithm."""
+        n = self.group_size
+        if n <= 1:
+            return 0.0
+        nbytes = self.elements * DTYPE_BYTES.get(self.dtype, 4)
+        return {"all-gather": nbytes * (n - 1) / n, "reduce-scatter": nbytes * (n - 1),
+                "all-reduce": 2 * nbytes * (n - 1) / n}.get(self.kind, float(nbytes))
+
+
+@dataclass(frozen=True)
+class CommReport:
+    collectives: tuple[Collective, ...]
+
+    def total_elements(self, kinds: tuple[str, ...] = COLLECTIVES) -> int:
+        return sum(c.zero_elements * c.count for c in self.collectives if c.kind in kinds)
+
+    def total_ring_bytes(self) -> float:
+        return sum(c.ring_bytes * c.count for c in self.collectives)
+
+    def by_kind_dtype(self) -> dict[tuple[str, str], int]:
+        out: dict[tuple[str, str], int] = defaultdict(int)
+        for c in self.collectives:
+            if c.group_size > 1:
+                out[(c.kind, c.dtype)] += c.zero_elements * c.count
+        return dict(out)
+
+
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.+?) ([a-z\-]+)\(")
+_SHAPE = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
+_CALLEE = re.compile(r"(?:calls|to_apply|condition|body|branch_computations|called_computations)="
+                     r"\{?(%[\w.\-]+(?:, ?%[\w.\-]+)*)\}?")
+
+
+def comm(compiled: Any) -> CommReport:
+    """Every collective in the partitioned HLO of ``compiled`` (or an HLO text)."""
+    text = compiled if isinstance(compiled, str) else compiled.as_text()
+    instructions: dict[str, list[str]] = defaultdict(list)
+    entry, current = None, None
+    for line in text.splitlines():
+        m = _COMPUTATION.match(line)
+        if m and "=" not in line.split("(")[0]:
+            current = m.group(1)
+            if line.startswith("ENTRY"):
+                entry = current
+            continue
+        if current is not None and line.strip() and line.strip() != "}":
+            instructions[current].append(line)
+    counts = _execution_counts(instructions, entry)
+    found = []
+    for comp, lines in instructions.items():
+        for line in lines:
+            m = _INSTRUCTION.match(line)
+            if not m or m.group(3).removesuffix("-start") not in COLLECTIVES:
+                continue
+            kind = m.group(3).removesuffix("-start")
+            shapes = _SHAPE.findall(m.group(2))
+            elements = sum(math.prod(int(d) for d in dims.split(",") if d) for _, dims in shapes)
+            found.append(Collective(kind=kind, dtype=shapes[0][0] if shapes else "?", elements=elements,
+                                    group_size=_group_size(line), count=counts.get(comp, 0), name=m.group(1)))
+    return CommReport(tuple(found))
+
+
+def _execution_counts(instructions: dict[str, list[str]], entry: str | None) -> dict[str, int]:
+    """How many times each computation runs per call of ENTRY (while bodies x trip count)."""
+    calls: dict[str, list[tuple[str, int]]] = defaultdict(list)
+    for comp, lines in instructions.items():
+        for line in lines:
+            trip = 1
+            if " while(" in line:
+                t = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+                trip = int(t.group(1)) if t else 1
+            for group in _CALLEE.findall(line):
+                for callee in group.split(","):
+                    calls[comp].append((callee.strip().lstrip("%"), trip))
+    counts: dict[str, int] = defaultdict(int)
+
+    def visit(comp: str, times: int) -> None:
+        counts[comp] += times
+        for callee, trip in calls.get(comp, ()):
+            visit(callee, times * trip)
+
+    if entry is not None:
+        visit(entry, 1)
+    return counts
+
+
+def _group_size(line: str) -> int:
+    m = re.search(r"replica_groups=\{\{([\d,]*)\}", line)
+    if m:
+        return len(m.group(1).split(","))
+    m = re.search(r"replica_groups=\[([\d,]+)\]<=", line)
+    if m:
+        return int(m.group(1).split(",")[-1])
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\]", line)
+    if m:
+        sizes = dict(re.findall(r"'(\w+)'=(\d+)", m.group(1)))
+        axes = re.search(r"\{('[\w']+(?:,\s*'\w+')*)\}", line[m.end():])
+        names = re.findall(r"'(\w+)'", axes.group(1)) if axes else list(sizes)
+        return math.prod(int(sizes[a]) for a in names)
+    if "replica_groups={}" in line:
+        return 0  # all devices: resolved by the caller if needed
+    return 1
+
+
+# ------------------------------------------------------------------------------------------
+# Formulas and FLOPs
+# ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Analytic:
+    """ZeRO paper (mixed-precision Adam, K=12) and DeepSpeed estimator numbers, bytes/device,
+    and jzero's own contract (fp32 master + Adam, no 16-bit copy: 12 bytes/param in all)."""
+
+    paper_bytes: float
+    deepspeed_bytes: float
+    jzero_bytes: float
+    comm_elements: float
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+def analytic(num_params: int, stage: int, n: int, *, largest_layer_params: int = 0) -> Analytic:
+    psi = float(num_params)
+    paper = {0: 16 * psi, 1: 4 * psi + 12 * psi / n, 2: 2 * psi + 14 * psi / n, 3: 16 * psi / n}[stage]
+    deepspeed = {0: 16 * psi, 1: 4 * psi + 12 * psi / n, 2: 2 * psi + 18 * psi / n,
+                 3: 4 * largest_layer_params + 18 * psi / n}[stage]
+    jzero = {0: 12 * psi, 1: 4 * psi + 8 * psi / n, 2: 4 * psi + 8 * psi / n, 3: 12 * psi / n}[stage]
+    comm_elements = (3 if stage == 3 else 2) * psi
+    return Analytic(paper_bytes=paper, deepspeed_bytes=deepspeed, jzero_bytes=jzero, comm_elements=comm_elements)
+
+
+def flops(compiled: Any) -> float:
+    """FLOPs per step (per device) from XLA's cost analysis."""
+    cost = compiled.cost_analysis()
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0]
+    return float(cost.get("flops", np.nan)) if cost else float("nan")
+
+
+def mfu(flops_per_step: float, step_seconds: float, peak_flops: float) -> float:
+    """Model FLOPs utilisation: achieved FLOP/s over the device's peak."""
+    return flops_per_step / step_seconds / peak_flops
