@@ -3,10 +3,10 @@ from jzero.adapters import from_linen, from_nnx
 from jzero.config import Config, ConfigError, ConfigWarning, load_config
 from jzero.mesh import make_mesh
 from jzero.sharding import Plan
-from jzero.state import TrainState, init
+from jzero.state import TrainState, abstract_init, init
 from jzero.step import train_step
 
 __version__ = "0.1.0"
 
-__all__ = ["Config", "ConfigError", "ConfigWarning", "Plan", "TrainState", "from_linen", "from_nnx", "init",
+__all__ = ["Config", "ConfigError", "ConfigWarning", "Plan", "TrainState", "abstract_init", "from_linen", "from_nnx", "init",
            "load_config", "make_mesh", "train_step", "__version__"]

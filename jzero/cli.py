@@ -52,6 +52,16 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                        help="override a config key by dotted path, e.g. --set zero_optimization.stage=3")
     train.set_defaults(func=cmd_train)
+
+    est = sub.add_parser("estimate", help="per-device memory and communication from the compiled step")
+    est.add_argument("config", help="a jzero / DeepSpeed JSON config file")
+    est.add_argument("--devices", type=int, required=True, help="device count to plan for (simulated)")
+    est.add_argument("--stage", type=int, action="append", choices=[0, 1, 2, 3],
+                     help="ZeRO stage(s) to estimate (repeatable; default: the config's)")
+    est.add_argument("--peak-flops", type=float, help="device peak FLOP/s: prints the step time floor")
+    est.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    est.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    est.set_defaults(func=cmd_estimate)
     return parser
 
 
@@ -146,6 +156,43 @@ def cmd_train(args: argparse.Namespace) -> int:
     monitor.print(f"[bold]sample[/bold] (temperature 0.8):\n{escape(summary.sample)}")
     monitor.print(f"metrics: {out / 'metrics.csv'}")
     return 0
+
+
+def cmd_estimate(args: argparse.Namespace) -> int:
+    raw = read_overridden(args.config, args.set)
+    if args.devices < 1:
+        raise UsageError(f"--devices: must be >= 1, got {args.devices}")
+    simulate_devices(args.devices)
+    raw.setdefault("jzero", {}).setdefault("mesh", {})["devices"] = args.devices
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from jzero.config import load_config
+    from jzero.estimate import estimate
+
+    config = load_config(raw)
+    stages = args.stage or [config.zero_optimization.stage]
+    rows = [estimate(config, stage).row() for stage in stages]
+    if args.peak_flops:
+        for row in rows:
+            row["step_time_floor_s"] = row["tflops_per_step"] * 1e12 / args.peak_flops
+    if args.json:
+        print(json.dumps({"config": args.config, "devices": args.devices, "stages": rows}, indent=2))
+        return 0
+    table = Table(title=f"jzero estimate: {args.config}, {args.devices} devices, per device")
+    table.add_column("quantity")
+    for row in rows:
+        table.add_column(f"ZeRO-{row['stage']}", justify="right")
+    for key in rows[0]:
+        if key != "stage":
+            table.add_row(key.replace("_", " "), *(_fmt(row[key]) for row in rows))
+    Console().print(table)
+    return 0
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:,.4g}" if isinstance(value, float) else str(value)
 
 
 def _mib(n: int) -> str:

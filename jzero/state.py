@@ -7,7 +7,7 @@ optimizer state is created the same way under ``plan.opt_state``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +48,45 @@ def init(init_fn: Callable[[jax.Array], Any], config: Config, *, loss_fn: LossFn
     (the master copy) whatever ``init_fn`` returns. ``model_specs`` is an optional tree of
     PartitionSpecs the model already uses (kept; ZeRO adds "fsdp" to a free dimension).
     """
+    prep = _prepare(init_fn, config, rng, mesh, model_specs)
+    plan = prep.plan
+    params = jax.jit(prep.make_params, out_shardings=plan.params)(prep.key)
+    opt_state = jax.jit(prep.tx.init, out_shardings=plan.opt_state)(params)
+    step_rng = jax.device_put(jax.random.fold_in(prep.key, 1), plan.replicated)
+    return TrainState(step=jax.device_put(jnp.zeros((), jnp.int32), plan.replicated), params=params,
+                      opt_state=opt_state, rng=step_rng, loss_scale=None, loss_fn=loss_fn, tx=prep.tx,
+                      plan=plan, config=prep.config)
+
+
+def abstract_init(init_fn: Callable[[jax.Array], Any], config: Config, *, loss_fn: LossFn,
+                  mesh: Mesh | None = None, model_specs: Any = None) -> TrainState:
+    """The TrainState `init` would build, as `jax.ShapeDtypeStruct`s carrying the Plan's
+    shardings: nothing is allocated, so ``train_step.lower(state, batch)`` plans any size."""
+    prep = _prepare(init_fn, config, 0, mesh, model_specs)
+    plan = prep.plan
+
+    def abstract(tree, shardings):
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+    params_shape = jax.eval_shape(prep.make_params, prep.key)
+    rng_shape = jax.eval_shape(lambda k: jax.random.fold_in(k, 1), prep.key)
+    return TrainState(step=jax.ShapeDtypeStruct((), jnp.int32, sharding=plan.replicated),
+                      params=abstract(params_shape, plan.params),
+                      opt_state=abstract(jax.eval_shape(prep.tx.init, params_shape), plan.opt_state),
+                      rng=jax.ShapeDtypeStruct(rng_shape.shape, rng_shape.dtype, sharding=plan.replicated),
+                      loss_scale=None, loss_fn=loss_fn, tx=prep.tx, plan=plan, config=prep.config)
+
+
+class _Prepared(NamedTuple):
+    config: Config
+    key: jax.Array
+    tx: optax.GradientTransformation
+    make_params: Callable[[jax.Array], Any]
+    plan: sharding.Plan
+
+
+def _prepare(init_fn, config, rng, mesh, model_specs) -> _Prepared:
+    """Resolve the config for the mesh, build the optimizer and the Plan from params' shapes."""
     mesh = mesh if mesh is not None else make_mesh(config)
     config = config.for_dp(data_parallel_size(mesh))
     key = jax.random.key(rng) if isinstance(rng, int) else rng
@@ -63,10 +102,4 @@ def init(init_fn: Callable[[jax.Array], Any], config: Config, *, loss_fn: LossFn
     plan = sharding.plan(params_shape, opt.tx, mesh, config.zero_optimization.stage,
                          persistence_threshold=config.zero_optimization.stage3_param_persistence_threshold,
                          model_specs=model_specs)
-    params = jax.jit(make_params, out_shardings=plan.params)(key)
-    opt_state = jax.jit(opt.tx.init, out_shardings=plan.opt_state)(params)
-    step_rng = jax.device_put(jax.random.fold_in(key, 1), plan.replicated)
-    return TrainState(step=jax.device_put(jnp.zeros((), jnp.int32), plan.replicated), params=params,
-                      opt_state=opt_state, rng=step_rng, loss_scale=None, loss_fn=loss_fn, tx=opt.tx,
-                      plan=plan, config=config)
-
+    return _Prepared(config, key, opt.tx, make_params, plan)

@@ -91,3 +91,15 @@ def test_ctrl_c_stops_cleanly_with_one_line(tmp_path):
     assert proc.returncode == 130, stderr[-2000:]
     assert stderr.strip().splitlines() == ["jzero: interrupted by Ctrl-C; stopped cleanly"], stderr[-2000:]
     assert len(read_csv(out / "metrics.csv")) >= 1
+
+
+def test_estimate_1_3b_on_64_devices_matches_zero3_formula():
+    """The acceptance command: planning a 1.3B model on 64 devices without the hardware."""
+    import json
+
+    proc = jzero_cli("estimate", "configs/gpt_1.3b_zero3.json", "--devices", "64", "--json", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (row,) = json.loads(proc.stdout)["stages"]
+    assert row["stage"] == 3
+    assert row["persistent_bytes_per_param"] == pytest.approx(12 / 64, rel=0.02)
+    assert row["comm_elements_per_param"] == pytest.approx(3.0, rel=0.1)  # embeddings: GSPMD, ~8% of params

@@ -1,0 +1,95 @@
+"""`jzero estimate`: exact per-device memory and communication of a config, with no hardware.
+
+The train step of the config's GPT is compiled ahead of time on abstract shapes
+(`jzero.abstract_init`: no parameter is allocated) for the requested device count, and
+`jzero.profile` reads memory, collectives and FLOPs from the executable. The ZeRO paper's and
+DeepSpeed's formulas are printed beside the measurement.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jzero import profile
+from jzero.config import Config
+from jzero.mesh import make_mesh
+from jzero.models import gpt
+from jzero.state import abstract_init
+from jzero.step import train_step
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Estimate:
+    stage: int
+    accumulation: int
+    mesh: dict[str, int]
+    num_params: int
+    memory: profile.MemoryReport
+    grads_bytes: int  # the reduced-gradient buffer per device (Plan.grads), part of temp
+    comm_elements: int
+    comm_ring_bytes: float
+    flops: float
+    analytic: profile.Analytic
+    compile_s: float
+
+    def row(self) -> dict[str, Any]:
+        m, a = self.memory, self.analytic
+        n = self.num_params
+        return {
+            "stage": self.stage,
+            "micro_batches_per_step": self.accumulation,
+            "params_gib": m.params / GiB,
+            "opt_state_gib": m.opt_state / GiB,
+            "grads_gib": self.grads_bytes / GiB,
+            "activations_other_gib": max(0, m.temp - self.grads_bytes) / GiB,
+            "peak_gib": m.peak / GiB,
+            "persistent_bytes_per_param": m.per_param(m.persistent),
+            "jzero_formula_bytes_per_param": a.jzero_bytes / n,
+            "zero_paper_gib": a.paper_bytes / GiB,
+            "deepspeed_estimate_gib": a.deepspeed_bytes / GiB,
+            "comm_elements_per_param": self.comm_elements / n,
+            "zero_paper_comm_per_param_per_micro_batch": a.comm_elements / n,
+            "comm_ring_gib": self.comm_ring_bytes / GiB,
+            "tflops_per_step": self.flops / 1e12,
+            "compile_s": self.compile_s,
+        }
+
+
+def estimate(config: Config, stage: int | None = None) -> Estimate:
+    """Compile the config's training step at ``stage`` (default: the config's) and measure it."""
+    if stage is not None:
+        config = dataclasses.replace(config, zero_optimization=dataclasses.replace(
+            config.zero_optimization, stage=stage))
+    model_cfg = gpt.gpt_config(config.jzero.model, config.jzero.remat)
+    init_fn, loss_fn = gpt.make(model_cfg)
+    mesh = make_mesh(config)
+    state = abstract_init(init_fn, config, loss_fn=loss_fn, mesh=mesh)
+    cfg = state.config
+    shape = (cfg.train_batch_size, model_cfg.seq_len)
+    batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=state.plan.batch) for k in ("inputs", "targets")}
+    t0 = time.perf_counter()
+    compiled = train_step.lower(state, batch).compile()
+    compile_s = time.perf_counter() - t0
+    mem = profile.memory(compiled)
+    comm = profile.comm(compiled)
+    grads = sum(_shard_bytes(x, s) for x, s in zip(jax.tree.leaves(state.params), jax.tree.leaves(state.plan.grads)))
+    layer = sum(x.size for x in jax.tree.leaves(state.params["blocks"]["stacked"])) // model_cfg.n_layers
+    return Estimate(stage=cfg.zero_optimization.stage, accumulation=cfg.gradient_accumulation_steps,
+                    mesh=dict(mesh.shape), num_params=mem.num_params,
+                    memory=mem, grads_bytes=grads, comm_elements=comm.total_elements(),
+                    comm_ring_bytes=comm.total_ring_bytes(), flops=profile.flops(compiled),
+                    analytic=profile.analytic(mem.num_params, cfg.zero_optimization.stage,
+                                              mesh.shape["fsdp"], largest_layer_params=layer),
+                    compile_s=compile_s)
+
+
+def _shard_bytes(x: jax.ShapeDtypeStruct, sharding: jax.sharding.NamedSharding) -> int:
+    return math.prod(sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
