@@ -62,6 +62,11 @@ def _parser() -> argparse.ArgumentParser:
     est.add_argument("--json", action="store_true", help="print JSON instead of a table")
     est.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     est.set_defaults(func=cmd_estimate)
+
+    bench = sub.add_parser("bench", help="run a benchmark from benchmarks/ (sweep, compile_time)")
+    bench.add_argument("name", choices=sorted(BENCHMARKS), help="which benchmark")
+    bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
+    bench.set_defaults(func=cmd_bench)
     return parser
 
 
@@ -188,6 +193,21 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         if key != "stage":
             table.add_row(key.replace("_", " "), *(_fmt(row[key]) for row in rows))
     Console().print(table)
+    return 0
+
+
+BENCHMARKS = {"sweep": "sweep.py", "compile_time": "compile_time.py"}
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Run ``benchmarks/NAME.py`` of this checkout (benchmarks ship with the repository)."""
+    import runpy
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / BENCHMARKS[args.name]
+    if not script.is_file():
+        raise UsageError(f"bench {args.name}: {script} not found; benchmarks run from a repository checkout")
+    sys.argv = [str(script), *args.args]
+    runpy.run_path(str(script), run_name="__main__")
     return 0
 
 
