@@ -112,6 +112,19 @@ class FP16Config:
 
 
 @dataclass(frozen=True)
+class ActivationCheckpointingConfig:
+    """DeepSpeed's ``activation_checkpointing``: present -> ``jzero.remat`` "full" ("offload" with
+    ``cpu_checkpointing``) unless ``jzero.remat`` is set; the other keys have no XLA meaning."""
+
+    partition_activations: bool = False
+    cpu_checkpointing: bool = False
+    contiguous_memory_optimization: bool = False
+    number_checkpoints: Optional[int] = None
+    synchronize_checkpoint_boundary: bool = False
+    profile: bool = False
+
+
+@dataclass(frozen=True)
 class DataTypesConfig:
     grad_accum_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
 
@@ -189,6 +202,7 @@ class JzeroConfig:
     mesh: MeshConfig = field(default_factory=MeshConfig)
     remat: str = "full"
     compute_dtype: Optional[Literal["fp32", "bf16", "fp16"]] = None
+    max_loss_scale: float = 2.0**24
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -205,6 +219,7 @@ class Config:
     bf16: BF16Config = field(default_factory=BF16Config)
     fp16: FP16Config = field(default_factory=FP16Config)
     data_types: DataTypesConfig = field(default_factory=DataTypesConfig)
+    activation_checkpointing: Optional[ActivationCheckpointingConfig] = None
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     scheduler: Optional[SchedulerConfig] = None
     gradient_clipping: float = _auto(0.0)
@@ -251,7 +266,6 @@ UNSUPPORTED_SECTIONS = {
     "moe": "mixture-of-experts layers are not implemented",
     "sparse_attention": "DeepSpeed sparse attention kernels are not implemented",
     "amp": "NVIDIA apex AMP does not exist in JAX; use the bf16 or fp16 section",
-    "activation_checkpointing": "set jzero.remat to a named policy (none, full, dots, ...) instead",
     "compression_training": "compression training is not implemented",
     "curriculum_learning": "curriculum learning is not implemented",
     "data_efficiency": "data-efficiency sampling is not implemented",
@@ -281,6 +295,9 @@ def load_config(source: str | os.PathLike | Mapping[str, Any], *, dp_size: int |
     noops = sorted(k for k in raw if k in NOOP_SECTIONS or (k in UNSUPPORTED_SECTIONS))
     parsed = {k: v for k, v in raw.items() if k not in NOOP_SECTIONS and k not in UNSUPPORTED_SECTIONS}
     cfg = _parse(Config, parsed, "")
+    if cfg.activation_checkpointing is not None and "remat" not in raw.get("jzero", {}):
+        remat = "offload" if cfg.activation_checkpointing.cpu_checkpointing else "full"
+        cfg = dataclasses.replace(cfg, jzero=dataclasses.replace(cfg.jzero, remat=remat))
     _check_unsupported_zero(cfg.zero_optimization)
     if noops:
         warnings.warn(f"jzero ignores these DeepSpeed sections (no effect under XLA): {', '.join(noops)}",
@@ -488,9 +505,8 @@ def _validate(cfg: Config) -> None:
     _positive("fp16.initial_scale_power", fp16.initial_scale_power, 0)
     if fp16.min_loss_scale <= 0:
         raise ConfigError(f"fp16.min_loss_scale: must be > 0, got {fp16.min_loss_scale}")
-    if fp16.enabled:
-        raise ConfigError("fp16.enabled: fp16 training with dynamic loss scaling is not available in this "
-                          "release yet; use bf16.enabled (valid now) or fp32")
+    if cfg.jzero.max_loss_scale < max(fp16.min_loss_scale, 1.0):
+        raise ConfigError(f"jzero.max_loss_scale: must be >= fp16.min_loss_scale, got {cfg.jzero.max_loss_scale}")
     mesh = cfg.jzero.mesh
     _positive("jzero.mesh.devices", mesh.devices)
     _positive("jzero.mesh.fsdp", mesh.fsdp)

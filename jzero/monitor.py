@@ -114,6 +114,8 @@ class Monitor:
                  f"grad_norm {row['grad_norm']:.3f}", f"{row['tokens_per_s']:,.0f} tok/s"]
         if row.get("eval_loss") is not None:
             parts.append(f"held-out {row['eval_loss']:.4f}")
+        if row.get("loss_scale") is not None:
+            parts.append(f"loss-scale {row['loss_scale']:g}  skipped {int(row['skipped_total'])}")
         self.console.print("  ".join(parts))
 
     def summary(self, title: str, rows: list[tuple[str, str]]) -> None:

@@ -3,7 +3,8 @@
 ``none`` keeps every activation; ``full`` keeps only each layer's input and recomputes the rest
 in the backward pass; ``dots`` / ``dots_no_batch`` keep matmul outputs (all, or those without
 batch dimensions); ``names`` keeps only tensors the model tagged with
-``jax.ad_checkpoint.checkpoint_name`` under one of `SAVE_NAMES` (the GPT tags them).
+``jax.ad_checkpoint.checkpoint_name`` under one of `SAVE_NAMES` (the GPT tags them);
+``offload`` keeps the same tensors in pinned host memory instead of device memory.
 """
 from __future__ import annotations
 
@@ -23,6 +24,9 @@ POLICIES: dict[str, Callable[..., Any] | None] = {
     "dots": _cp.dots_saveable,
     "dots_no_batch": _cp.dots_with_no_batch_dims_saveable,
     "names": _cp.save_only_these_names(*SAVE_NAMES),
+    "offload": _cp.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=list(SAVE_NAMES),
+        offload_src="device", offload_dst="pinned_host"),
 }
 
 

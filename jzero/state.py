@@ -53,8 +53,10 @@ def init(init_fn: Callable[[jax.Array], Any], config: Config, *, loss_fn: LossFn
     params = jax.jit(prep.make_params, out_shardings=plan.params)(prep.key)
     opt_state = jax.jit(prep.tx.init, out_shardings=plan.opt_state)(params)
     step_rng = jax.device_put(jax.random.fold_in(prep.key, 1), plan.replicated)
+    scaler = precision.loss_scaler(prep.config)
+    loss_scale = None if scaler is None else jax.device_put(scaler.init(), plan.replicated)
     return TrainState(step=jax.device_put(jnp.zeros((), jnp.int32), plan.replicated), params=params,
-                      opt_state=opt_state, rng=step_rng, loss_scale=None, loss_fn=loss_fn, tx=prep.tx,
+                      opt_state=opt_state, rng=step_rng, loss_scale=loss_scale, loss_fn=loss_fn, tx=prep.tx,
                       plan=plan, config=prep.config)
 
 
@@ -70,11 +72,14 @@ def abstract_init(init_fn: Callable[[jax.Array], Any], config: Config, *, loss_f
 
     params_shape = jax.eval_shape(prep.make_params, prep.key)
     rng_shape = jax.eval_shape(lambda k: jax.random.fold_in(k, 1), prep.key)
+    scaler = precision.loss_scaler(prep.config)
+    loss_scale = None if scaler is None else abstract(jax.eval_shape(scaler.init),
+                                                       jax.tree.map(lambda _: plan.replicated, scaler.init()))
     return TrainState(step=jax.ShapeDtypeStruct((), jnp.int32, sharding=plan.replicated),
                       params=abstract(params_shape, plan.params),
                       opt_state=abstract(jax.eval_shape(prep.tx.init, params_shape), plan.opt_state),
                       rng=jax.ShapeDtypeStruct(rng_shape.shape, rng_shape.dtype, sharding=plan.replicated),
-                      loss_scale=None, loss_fn=loss_fn, tx=prep.tx, plan=plan, config=prep.config)
+                      loss_scale=loss_scale, loss_fn=loss_fn, tx=prep.tx, plan=plan, config=prep.config)
 
 
 class _Prepared(NamedTuple):

@@ -36,24 +36,40 @@ def train_step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax
     _check_batch(batch, cfg.train_batch_size)
     batch = _constrain(batch, jax.tree.map(lambda _: plan.batch, batch))
     rng = jax.random.fold_in(state.rng, state.step)
-    loss, aux, grads = _accumulated_grads(state, batch, rng)
-    grad_norm = optax.tree.norm(grads)
+    scaler = precision.loss_scaler(cfg)
+    scale = state.loss_scale.scale if scaler is not None else jnp.float32(1.0)
+    loss, aux, grads = _accumulated_grads(state, batch, rng, scale)
+    scaled_norm = optax.tree.norm(grads)  # the one global reduction: also the overflow check
+    grad_norm = scaled_norm / scale
+    divisor = scale
     if cfg.gradient_clipping > 0:
-        # DeepSpeed's rule: coef = max_norm / (norm + 1e-6), applied only when below 1.
-        coef = jnp.minimum(1.0, cfg.gradient_clipping / (grad_norm + 1e-6))
-        grads = jax.tree.map(lambda g: g * coef.astype(g.dtype), grads)
+        # DeepSpeed folds clipping into unscaling: clip = (norm + 1e-6) / max_norm, applied if > 1.
+        clip = (grad_norm + 1e-6) / cfg.gradient_clipping
+        divisor = jnp.where(clip > 1, clip * scale, scale)
+    if scaler is not None or cfg.gradient_clipping > 0:
+        grads = jax.tree.map(lambda g: g / divisor.astype(g.dtype), grads)
     grads = _constrain(grads, plan.update)
     params = _constrain(state.params, plan.update)
     updates, opt_state = state.tx.update(grads, state.opt_state, params)
     params = _constrain(optax.apply_updates(params, updates), plan.params)
     opt_state = _constrain(opt_state, plan.opt_state)
-    metrics = {"loss": loss, "grad_norm": grad_norm, "lr": opt_state.hyperparams["learning_rate"]}
+    loss_scale = state.loss_scale
+    metrics = {"loss": loss, "grad_norm": grad_norm}
+    if scaler is not None:
+        # An overflow anywhere (the norm is not finite) skips the step on every device: params and
+        # optimizer state (and so the LR schedule's count) stay bit-identical.
+        overflow = ~jnp.isfinite(scaled_norm)
+        params = jax.tree.map(lambda old, new: jnp.where(overflow, old, new), state.params, params)
+        opt_state = jax.tree.map(lambda old, new: jnp.where(overflow, old, new), state.opt_state, opt_state)
+        loss_scale = scaler.update(state.loss_scale, overflow)
+        metrics.update(loss_scale=state.loss_scale.scale, skipped=overflow, skipped_total=loss_scale.skipped)
+    metrics["lr"] = opt_state.hyperparams["learning_rate"]
     if aux is not None:
         metrics["aux"] = aux
-    return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+    return state.replace(step=state.step + 1, params=params, opt_state=opt_state, loss_scale=loss_scale), metrics
 
 
-def _loss_and_aux(state: TrainState, params: Any, batch: Any, rng: jax.Array):
+def _loss_and_aux(state: TrainState, params: Any, batch: Any, rng: jax.Array, scale: Any = 1.0):
     """The user's loss on params cast to the compute dtype. At stage >= 1 the per-layer hooks
     of `scan_layers` are active; they cast the stacked params themselves (after the fp32
     reduce-scatter in backward, so gradients are reduced in fp32)."""
@@ -67,7 +83,8 @@ def _loss_and_aux(state: TrainState, params: Any, batch: Any, rng: jax.Array):
     with hooks.active(ctx):
         out = state.loss_fn(params, batch, rng)
     loss, aux = out if isinstance(out, tuple) else (out, None)
-    return loss.astype(jnp.float32), aux
+    loss = loss.astype(jnp.float32)
+    return loss * scale, (loss, aux)
 
 
 def _hook_context(state: TrainState, compute: Any) -> hooks.HookContext | None:
@@ -78,10 +95,16 @@ def _hook_context(state: TrainState, compute: Any) -> hooks.HookContext | None:
                              persistence_threshold=state.config.zero_optimization.stage3_param_persistence_threshold)
 
 
-def _accumulated_grads(state: TrainState, batch: Any, rng: jax.Array):
-    """(mean loss, mean aux, mean grads) over the micro-batches, grads laid out per plan.grads."""
+def _accumulated_grads(state: TrainState, batch: Any, rng: jax.Array, scale: Any):
+    """(mean loss, mean aux, mean grads of loss x scale) over the micro-batches, grads laid out
+    per plan.grads."""
     cfg, plan = state.config, state.plan
-    grad_fn = jax.value_and_grad(functools.partial(_loss_and_aux, state), has_aux=True)
+
+    def grad_fn(params, mb, r):
+        (_, (loss, aux)), grads = jax.value_and_grad(_loss_and_aux, argnums=1, has_aux=True)(
+            state, params, mb, r, scale)
+        return (loss, aux), grads
+
     accum = cfg.gradient_accumulation_steps
     acc_dtype = precision.policy(cfg).grad_accum_dtype
     if accum == 1:
@@ -126,4 +149,4 @@ def _check_batch(batch: Any, expected: int) -> None:
 def eval_step(state: TrainState, batch: Any) -> jax.Array:
     """The loss of ``state.params`` on ``batch`` (compute dtype, no gradient, no update)."""
     batch = _constrain(batch, jax.tree.map(lambda _: state.plan.batch, batch))
-    return _loss_and_aux(state, state.params, batch, state.rng)[0]
+    return _loss_and_aux(state, state.params, batch, state.rng)[1][0]
