@@ -116,6 +116,8 @@ class Monitor:
             parts.append(f"held-out {row['eval_loss']:.4f}")
         if row.get("loss_scale") is not None:
             parts.append(f"loss-scale {row['loss_scale']:g}  skipped {int(row['skipped_total'])}")
+            if row.get("loss_scale_at_min"):
+                parts.append("(at min_loss_scale: overflowing steps are skipped, the run goes on)")
         self.console.print("  ".join(parts))
 
     def summary(self, title: str, rows: list[tuple[str, str]]) -> None:

@@ -62,7 +62,8 @@ def train_step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax
         params = jax.tree.map(lambda old, new: jnp.where(overflow, old, new), state.params, params)
         opt_state = jax.tree.map(lambda old, new: jnp.where(overflow, old, new), state.opt_state, opt_state)
         loss_scale = scaler.update(state.loss_scale, overflow)
-        metrics.update(loss_scale=state.loss_scale.scale, skipped=overflow, skipped_total=loss_scale.skipped)
+        metrics.update(loss_scale=state.loss_scale.scale, skipped=overflow, skipped_total=loss_scale.skipped,
+                       loss_scale_at_min=state.loss_scale.scale <= scaler.min_scale)
     metrics["lr"] = opt_state.hyperparams["learning_rate"]
     if aux is not None:
         metrics["aux"] = aux

@@ -15,9 +15,9 @@ from jzero.models import gpt
 def measured(policy):
     model = dict(gpt.SIZES["small"].__dict__, remat=policy)
     init_fn, loss_fn = gpt.make(gpt.GPTConfig(**model))
-    cfg = jzero.load_config({"train_batch_size": 32, "zero_optimization": {"stage": 2}}, dp_size=8)
+    cfg = jzero.load_config({"train_batch_size": 16, "zero_optimization": {"stage": 0}}, dp_size=8)
     state = jzero.init(init_fn, cfg, loss_fn=loss_fn, rng=0)
-    tok = np.random.default_rng(0).integers(0, 256, (32, model["seq_len"] + 1)).astype(np.int32)
+    tok = np.random.default_rng(0).integers(0, 256, (16, model["seq_len"] + 1)).astype(np.int32)
     batch = {"inputs": tok[:, :-1], "targets": tok[:, 1:]}
     compiled = jzero.train_step.lower(state, batch).compile()
     temp = profile.memory(compiled).temp
