@@ -118,7 +118,7 @@ def test_injected_overflow_skips_the_step_everywhere(stage):
     assert losses[-1] < losses[0]
 
 
-@pytest.mark.slow  # ~2 minutes on 2 cores: run with `pytest -m slow`
+@pytest.mark.slow  # ~1 minute on 2 cores: run with `pytest -m slow`
 def test_fp16_trains_the_tiny_gpt_like_bf16():
     """200 steps of the tiny GPT on the bundled corpus: fp16 (dynamic scaling, DeepSpeed's default
     scaler settings) ends within 2% of bf16."""

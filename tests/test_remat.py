@@ -2,7 +2,6 @@
 and every policy computes the same loss and gradients."""
 import functools
 
-import jax
 import numpy as np
 import pytest
 
