@@ -149,14 +149,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     summary.sample = engine.sample()
     drop = 1 - summary.eval_loss / summary.first_eval_loss
-    mem = summary.memory_bytes
+    mem = summary.memory
     rows = [("steps", f"{summary.steps}"),
             ("final train loss", f"{summary.train_loss:.4f}"),
             ("held-out loss", f"{summary.first_eval_loss:.4f} -> {summary.eval_loss:.4f} ({drop:.0%} lower)"),
             ("tokens/s", f"{summary.tokens_per_s:,.0f}"),
             ("compile time", f"{summary.compile_s:.1f} s")]
     if mem:
-        rows += [(f"per-device {k} (compiled step)", _mib(mem[k])) for k in ("arguments", "temporaries", "peak")]
+        rows += [("per-device persistent state (compiled step)", _mib(mem.persistent)),
+                 ("per-device temporaries (compiled step)", _mib(mem.temp)),
+                 ("per-device peak (compiled step)", _mib(mem.peak))]
     monitor.summary("jzero train: summary", rows)
     monitor.print(f"[bold]sample[/bold] (temperature 0.8):\n{escape(summary.sample)}")
     monitor.print(f"metrics: {out / 'metrics.csv'}")

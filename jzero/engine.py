@@ -8,13 +8,13 @@ thin shell over it.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jzero import data
+from jzero import data, profile
 from jzero.config import Config, ConfigError
 from jzero.mesh import make_mesh
 from jzero.models import gpt
@@ -34,7 +34,7 @@ class RunSummary:
     eval_loss: float = float("nan")
     tokens_per_s: float = 0.0
     compile_s: float = 0.0
-    memory_bytes: dict[str, int] = field(default_factory=dict)
+    memory: profile.MemoryReport | None = None  # of the compiled step, per device
     sample: str = ""
 
 
@@ -82,7 +82,10 @@ class Engine:
         t0 = time.perf_counter()
         compiled = train_step.lower(self.state, self.batch("train", start)).compile()
         summary.compile_s = time.perf_counter() - t0
-        summary.memory_bytes = _memory(compiled)
+        try:
+            summary.memory = profile.memory(compiled)
+        except RuntimeError:  # a backend without memory_analysis(): the summary omits memory
+            summary.memory = None
         eval_every = cfg.jzero.train.eval_interval
         window_time, window_steps, total_time = 0.0, 0, 0.0
         for step in range(start, steps):
@@ -109,13 +112,3 @@ class Engine:
         summary.tokens_per_s = (summary.steps - start) * tokens_per_step / max(total_time, 1e-9)
         return summary
 
-
-def _memory(compiled) -> dict[str, int]:
-    """Per-device bytes of the compiled step (arguments, outputs, temporaries, aliased, peak)."""
-    stats = compiled.memory_analysis()
-    if stats is None:
-        return {}
-    mem = {"arguments": stats.argument_size_in_bytes, "outputs": stats.output_size_in_bytes,
-           "temporaries": stats.temp_size_in_bytes, "aliased": stats.alias_size_in_bytes}
-    mem["peak"] = mem["arguments"] + mem["outputs"] + mem["temporaries"] - mem["aliased"]
-    return mem

@@ -8,7 +8,6 @@ DeepSpeed's formulas are printed beside the measurement.
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -80,7 +79,8 @@ def estimate(config: Config, stage: int | None = None) -> Estimate:
     compile_s = time.perf_counter() - t0
     mem = profile.memory(compiled)
     comm = profile.comm(compiled)
-    grads = sum(_shard_bytes(x, s) for x, s in zip(jax.tree.leaves(state.params), jax.tree.leaves(state.plan.grads)))
+    grads = sum(profile.shard_bytes(x.shape, x.dtype, s)
+                for x, s in zip(jax.tree.leaves(state.params), jax.tree.leaves(state.plan.grads)))
     layer = sum(x.size for x in jax.tree.leaves(state.params["blocks"]["stacked"])) // model_cfg.n_layers
     return Estimate(stage=cfg.zero_optimization.stage, accumulation=cfg.gradient_accumulation_steps,
                     mesh=dict(mesh.shape), num_params=mem.num_params,
@@ -90,6 +90,3 @@ def estimate(config: Config, stage: int | None = None) -> Estimate:
                                               mesh.shape["fsdp"], largest_layer_params=layer),
                     compile_s=compile_s)
 
-
-def _shard_bytes(x: jax.ShapeDtypeStruct, sharding: jax.sharding.NamedSharding) -> int:
-    return math.prod(sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize

@@ -64,9 +64,7 @@ def memory(compiled: Any) -> MemoryReport:
                  for p, s in jax.tree_util.tree_flatten_with_path(compiled.input_shardings[0])[0]}
     for path, info in jax.tree_util.tree_flatten_with_path(compiled.args_info[0])[0]:
         aval = info._aval
-        sharding = shardings.get(jax.tree_util.keystr(path))
-        shard = sharding.shard_shape(aval.shape) if sharding is not None and aval.shape else aval.shape
-        nbytes = math.prod(shard) * aval.dtype.itemsize
+        nbytes = shard_bytes(aval.shape, aval.dtype, shardings.get(jax.tree_util.keystr(path)))
         group = _argument_group(path)
         groups[group] += nbytes
         if group == "params":
@@ -76,6 +74,12 @@ def memory(compiled: Any) -> MemoryReport:
                         params=groups["params"], opt_state=groups["opt_state"], batch=groups["batch"],
                         other=stats.argument_size_in_bytes - groups["params"] - groups["opt_state"]
                         - groups["batch"], num_params=num_params)
+
+
+def shard_bytes(shape: tuple[int, ...], dtype: Any, sharding: Any) -> int:
+    """Bytes of one device's shard of an array of ``shape`` laid out by ``sharding`` (None: whole)."""
+    shard = sharding.shard_shape(shape) if sharding is not None and shape else shape
+    return math.prod(shard) * dtype.itemsize
 
 
 def _argument_group(path: tuple) -> str:
