@@ -8,6 +8,7 @@ thin shell over it.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
@@ -15,11 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jzero import data, profile
+from jzero.checkpoint import Checkpointer
 from jzero.config import Config, ConfigError
 from jzero.mesh import make_mesh
 from jzero.models import gpt
 from jzero.monitor import Monitor
-from jzero.state import TrainState, init
+from jzero.state import TrainState, abstract_init, init
 from jzero.step import eval_step, train_step
 
 SAMPLE_PROMPT = b"def "
@@ -36,20 +38,27 @@ class RunSummary:
     compile_s: float = 0.0
     memory: profile.MemoryReport | None = None  # of the compiled step, per device
     sample: str = ""
+    stopped: bool = False  # ended early by should_stop (a signal)
 
 
 class Engine:
     """Builds the GPT, data and sharded state for ``config``; `train` runs the loop."""
 
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, checkpointer: Checkpointer | None = None):
+        """With a ``checkpointer`` holding a step, the state is restored from its newest readable
+        step (onto this config's mesh and stage) instead of freshly initialised."""
         self.corpus = data.load_corpus(config.jzero.data)
         self.model_cfg = gpt.gpt_config(config.jzero.model, config.jzero.remat)
         if self.corpus.vocab_size > self.model_cfg.vocab_size:
             raise ConfigError(f"jzero.model.vocab_size: {self.model_cfg.vocab_size} is smaller than the data's "
                               f"vocabulary ({self.corpus.vocab_size} in {self.corpus.source})")
         init_fn, loss_fn = gpt.make(self.model_cfg)
-        self.state: TrainState = init(init_fn, config, loss_fn=loss_fn, rng=jax.random.key(config.seed),
-                                      mesh=make_mesh(config))
+        mesh = make_mesh(config)
+        self.resumed = checkpointer is not None and checkpointer.latest_step() is not None
+        if self.resumed:
+            self.state: TrainState = checkpointer.restore(abstract_init(init_fn, config, loss_fn=loss_fn, mesh=mesh))
+        else:
+            self.state = init(init_fn, config, loss_fn=loss_fn, rng=jax.random.key(config.seed), mesh=mesh)
         self.config = self.state.config  # batch rule resolved for the real mesh
 
     @property
@@ -62,8 +71,16 @@ class Engine:
                                  self.model_cfg.seq_len, self.state.plan.batch)
 
     def evaluate(self) -> float:
-        """Mean held-out loss over ``jzero.train.eval_batches`` fixed batches."""
-        losses = [eval_step(self.state, self.batch("heldout", i)) for i in range(self.config.jzero.train.eval_batches)]
+        """Mean held-out loss over ``jzero.train.eval_batches`` fixed batches.
+
+        At most two batches are in flight: XLA's CPU runtime aborts with a collective rendezvous
+        timeout when hundreds of sharded programs are queued at once (docs/design.md).
+        """
+        losses = []
+        for i in range(self.config.jzero.train.eval_batches):
+            losses.append(eval_step(self.state, self.batch("heldout", i)))
+            if i:
+                losses[i - 1].block_until_ready()
         return float(np.mean(jax.device_get(losses)))
 
     def sample(self, num_tokens: int = SAMPLE_TOKENS) -> str:
@@ -74,11 +91,16 @@ class Engine:
             return " ".join(map(str, jax.device_get(tokens).tolist()))
         return (SAMPLE_PROMPT + bytes(np.asarray(tokens, np.uint8))).decode("utf-8", errors="replace")
 
-    def train(self, steps: int, monitor: Monitor) -> RunSummary:
-        """Train from the state's current step up to ``steps``; returns what the summary shows."""
+    def train(self, steps: int, monitor: Monitor, checkpointer: Checkpointer | None = None,
+              should_stop: Callable[[], bool] | None = None) -> RunSummary:
+        """Train from the state's current step up to ``steps``; returns what the summary shows.
+
+        The ``checkpointer`` saves at its interval and once more when the loop ends; the loop ends
+        early, after a whole step, when ``should_stop()`` turns true (a signal arrived).
+        """
         cfg, summary = self.config, RunSummary()
         tokens_per_step = cfg.train_batch_size * self.model_cfg.seq_len
-        start = int(self.state.step)
+        start = summary.steps = int(self.state.step)
         t0 = time.perf_counter()
         compiled = train_step.lower(self.state, self.batch("train", start)).compile()
         summary.compile_s = time.perf_counter() - t0
@@ -98,8 +120,9 @@ class Engine:
             done = step + 1
             tps = window_steps * tokens_per_step / max(window_time, 1e-9)
             monitor.update(done, {**metrics, "tokens_per_s": tps})
+            summary.stopped = should_stop is not None and should_stop()
             is_eval = done == start + 1 or done % eval_every == 0 or done == steps
-            if is_eval or done % cfg.steps_per_print == 0:
+            if is_eval or done % cfg.steps_per_print == 0 or summary.stopped:
                 row = {"step": done, **metrics, "tokens_per_s": tps, "eval_loss": None}
                 if is_eval:
                     row["eval_loss"] = self.evaluate()
@@ -109,6 +132,12 @@ class Engine:
                 monitor.log(row)
                 window_time, window_steps = 0.0, 0
             summary.train_loss, summary.steps = metrics["loss"], done
+            if checkpointer is not None:
+                checkpointer.save(self.state)
+            if summary.stopped:
+                break
+        if checkpointer is not None:
+            checkpointer.save(self.state, force=True)
         summary.tokens_per_s = (summary.steps - start) * tokens_per_step / max(total_time, 1e-9)
         return summary
 

@@ -107,9 +107,9 @@ class LeafSpecs(NamedTuple):
 
 
 def leaf_specs(shape: tuple[int, ...], stage: int, n: int, persistence_threshold: int = 0, *,
-               stacked: bool = False, base: P = P()) -> LeafSpecs:
+               stacked: bool = False, base: P | None = None) -> LeafSpecs:
     """One leaf's row of the ZeRO table: its stored, reduced-gradient and update layouts."""
-    rule = ZERO_RULES[stage]
+    rule, base = ZERO_RULES[stage], P() if base is None else base
     sharded = zero_spec(shape, base, n, stacked=stacked)
     persistent = math.prod(shape) < persistence_threshold
     return LeafSpecs(params=sharded if rule.params and not persistent else base,
