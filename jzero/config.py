@@ -196,6 +196,16 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
+class CheckpointConfig:
+    """``jzero.checkpoint``: `jzero train` saves to ``OUT/checkpoints`` every ``interval`` steps
+    (None: only at the end of the run and on SIGTERM/SIGINT), keeping the newest ``max_to_keep``."""
+
+    interval: Optional[int] = None
+    max_to_keep: int = 3
+    async_save: bool = True
+
+
+@dataclass(frozen=True)
 class JzeroConfig:
     """jzero's own section (DeepSpeed has no such keys)."""
 
@@ -206,6 +216,7 @@ class JzeroConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
 @dataclass(frozen=True, eq=False)
@@ -514,6 +525,8 @@ def _validate(cfg: Config) -> None:
     _positive("jzero.train.steps", train.steps)
     _positive("jzero.train.eval_interval", train.eval_interval)
     _positive("jzero.train.eval_batches", train.eval_batches)
+    _positive("jzero.checkpoint.interval", cfg.jzero.checkpoint.interval)
+    _positive("jzero.checkpoint.max_to_keep", cfg.jzero.checkpoint.max_to_keep)
     if not 0 < cfg.jzero.data.heldout_fraction < 1:
         raise ConfigError(f"jzero.data.heldout_fraction: must be in (0, 1), got {cfg.jzero.data.heldout_fraction}")
     # Deferred imports: these modules own the name tables the config is checked against.

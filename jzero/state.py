@@ -11,11 +11,12 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import struct
 from jax.sharding import Mesh
 
-from jzero import optim, precision, sharding
+from jzero import optim, precision, sharding, treepath
 from jzero.config import Config, ConfigError
 from jzero.mesh import data_parallel_size, make_mesh
 
@@ -41,16 +42,21 @@ class TrainState(struct.PyTreeNode):
 
 
 def init(init_fn: Callable[[jax.Array], Any], config: Config, *, loss_fn: LossFn,
-         rng: jax.Array | int, mesh: Mesh | None = None, model_specs: Any = None) -> TrainState:
+         rng: jax.Array | int, mesh: Mesh | None = None, model_specs: Any = None, params: Any = None) -> TrainState:
     """Build a sharded TrainState: ``init_fn(rng) -> params``; ``loss_fn(params, batch, rng)``.
 
     ``loss_fn`` returns a scalar loss or ``(loss, aux)``. Floating params are kept in fp32
     (the master copy) whatever ``init_fn`` returns. ``model_specs`` is an optional tree of
     PartitionSpecs the model already uses (kept; ZeRO adds "fsdp" to a free dimension).
+    ``params`` starts from given values (e.g. `jzero.load_params`) instead of ``init_fn``'s: they
+    are matched to ``init_fn``'s tree by leaf name and shape, and each device reads its shard.
     """
     prep = _prepare(init_fn, config, rng, mesh, model_specs)
     plan = prep.plan
-    params = jax.jit(prep.make_params, out_shardings=plan.params)(prep.key)
+    if params is None:
+        params = jax.jit(prep.make_params, out_shardings=plan.params)(prep.key)
+    else:
+        params = _place(params, jax.eval_shape(prep.make_params, prep.key), plan.params)
     opt_state = jax.jit(prep.tx.init, out_shardings=plan.opt_state)(params)
     step_rng = jax.device_put(jax.random.fold_in(prep.key, 1), plan.replicated)
     scaler = precision.loss_scaler(prep.config)
@@ -80,6 +86,23 @@ def abstract_init(init_fn: Callable[[jax.Array], Any], config: Config, *, loss_f
                       opt_state=abstract(jax.eval_shape(prep.tx.init, params_shape), plan.opt_state),
                       rng=jax.ShapeDtypeStruct(rng_shape.shape, rng_shape.dtype, sharding=plan.replicated),
                       loss_scale=loss_scale, loss_fn=loss_fn, tx=prep.tx, plan=plan, config=prep.config)
+
+
+def _place(values: Any, shapes: Any, shardings: Any) -> Any:
+    """Given host values laid out as ``shapes`` (matched by leaf name) under ``shardings``."""
+    have = treepath.named_leaves(values)
+    want = treepath.named_leaves(shapes)
+    mismatch = treepath.first_mismatch({n: x.shape for n, x in want.items()},
+                                       {n: np.shape(x) for n, x in have.items()}, "model", "given params")
+    if mismatch:
+        raise ConfigError(f"params: the given params do not fit the model: {mismatch}")
+
+    def put(name: str, shape: jax.ShapeDtypeStruct, sharding: jax.sharding.Sharding) -> jax.Array:
+        value = have[name]
+        return jax.make_array_from_callback(shape.shape, sharding,
+                                            lambda index: np.asarray(value[index]).astype(shape.dtype))
+
+    return treepath.fill(shapes, {n: put(n, want[n], s) for n, s in treepath.named_leaves(shardings).items()})
 
 
 class _Prepared(NamedTuple):
