@@ -1,4 +1,9 @@
-"""The ``jzero`` command line: ``jzero train CONFIG [--steps N] [--devices N] [--out DIR] [--set k=v]``.
+"""The ``jzero`` command line: ``jzero train CONFIG [--steps N] [--devices N] [--out DIR] [--set k=v]
+[--no-resume]``, ``jzero export CHECKPOINT OUT.safetensors``, ``jzero estimate``, ``jzero bench``.
+
+`jzero train` resumes from ``OUT/checkpoints`` when it holds a step, saves every
+``jzero.checkpoint.interval`` steps and at the end, and on SIGTERM/SIGINT finishes the current
+step, saves and exits with 128 + the signal number.
 
 On a CPU-only host the devices the run asks for (``--devices`` or ``jzero.mesh.devices``) are
 simulated: the XLA flag is set here, before any JAX backend starts. On GPU/TPU hosts the flag
@@ -10,9 +15,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from jzero.checkpoint import Checkpointer
+    from jzero.config import Config
 
 EXIT_USAGE, EXIT_INTERRUPTED = 2, 130
 
@@ -32,10 +43,11 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"jzero: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    except Exception as e:  # ConfigError and friends: one line, no traceback
+    except Exception as e:  # ConfigError, CheckpointError: one line, no traceback
+        from jzero.checkpoint import CheckpointError
         from jzero.config import ConfigError
 
-        if isinstance(e, ConfigError):
+        if isinstance(e, (ConfigError, CheckpointError)):
             print(f"jzero: error: {e}", file=sys.stderr)
             return EXIT_USAGE
         raise
@@ -51,7 +63,15 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--out", default="runs/jzero", help="output folder for metrics (default: runs/jzero)")
     train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                        help="override a config key by dotted path, e.g. --set zero_optimization.stage=3")
+    train.add_argument("--no-resume", action="store_true",
+                       help="start over instead of resuming from OUT/checkpoints (which is moved aside, not deleted)")
     train.set_defaults(func=cmd_train)
+
+    exp = sub.add_parser("export", help="write a checkpoint's params as one safetensors file")
+    exp.add_argument("checkpoint", help="a checkpoint directory (its newest readable step) or one step directory")
+    exp.add_argument("out", help="the .safetensors file to write")
+    exp.add_argument("--dtype", choices=["fp32", "bf16"], help="cast floating params (default: as saved)")
+    exp.set_defaults(func=cmd_export)
 
     est = sub.add_parser("estimate", help="per-device memory and communication from the compiled step")
     est.add_argument("config", help="a jzero / DeepSpeed JSON config file")
@@ -120,32 +140,60 @@ def cmd_train(args: argparse.Namespace) -> int:
             raise UsageError(f"--steps: must be >= 1, got {args.steps}")
         raw.setdefault("jzero", {}).setdefault("train", {})["steps"] = args.steps
 
+    from jzero.checkpoint import Checkpointer
+    from jzero.config import load_config
+
+    config = load_config(raw)
+    out = Path(args.out)
+    checkpoints = out / "checkpoints"
+    if args.no_resume and checkpoints.exists():
+        aside = out / f"checkpoints.replaced-{time.strftime('%Y%m%d-%H%M%S')}"
+        checkpoints.rename(aside)
+        print(f"jzero: --no-resume: moved the earlier checkpoints to {aside}")
+    ckpt_cfg = config.jzero.checkpoint
+    checkpointer = Checkpointer(checkpoints, config, max_to_keep=ckpt_cfg.max_to_keep, async_save=ckpt_cfg.async_save)
+    try:
+        return _train(config, out, checkpointer)
+    finally:
+        checkpointer.close()
+
+
+def _train(config: Config, out: Path, checkpointer: Checkpointer) -> int:
     import jax
 
     from rich.markup import escape
 
-    from jzero.config import load_config
     from jzero.data import describe
     from jzero.engine import Engine
     from jzero.mesh import data_parallel_size
     from jzero.monitor import Monitor
 
-    config = load_config(raw)
-    out = Path(args.out)
-    engine = Engine(config)
+    engine = Engine(config, checkpointer)
     config = engine.config
-    steps = config.jzero.train.steps
-    monitor = Monitor(config, out, total_steps=steps)
+    steps, start = config.jzero.train.steps, int(engine.state.step)
+    if engine.resumed:
+        print(f"jzero: resuming from step {start} of {checkpointer.directory} (--no-resume starts over)")
+    if start >= steps:
+        print(f"jzero: already trained to step {start} (jzero.train.steps is {steps}); nothing to do. "
+              "Pass --steps to train longer or --no-resume to start over.")
+        return 0
+    monitor = Monitor(config, out, total_steps=steps, start_step=start)
     mesh = engine.state.plan.mesh
     monitor.print(f"jzero: {describe(engine.corpus)}")
     monitor.print(f"jzero: GPT {config.jzero.model.size} ({engine.num_params:,} params), ZeRO stage "
                   f"{config.zero_optimization.stage}, mesh {dict(mesh.shape)} on {jax.devices()[0].platform}, "
                   f"batch {config.train_batch_size} = micro {config.train_micro_batch_size_per_gpu} x accum "
                   f"{config.gradient_accumulation_steps} x dp {data_parallel_size(mesh)}, remat {config.jzero.remat}")
-    try:
-        summary = engine.train(steps, monitor)
-    finally:
-        monitor.close()
+    with StopOnSignals() as stop:
+        try:
+            summary = engine.train(steps, monitor, checkpointer, should_stop=stop.requested)
+        finally:
+            monitor.close()
+        checkpointer.wait()
+    if summary.stopped:
+        print(f"jzero: {signal.Signals(stop.signum).name} received: saved step {summary.steps} in "
+              f"{checkpointer.directory}; run the same command to resume", file=sys.stderr)
+        return 128 + stop.signum
     out.mkdir(parents=True, exist_ok=True)
     summary.sample = engine.sample()
     drop = 1 - summary.eval_loss / summary.first_eval_loss
@@ -162,6 +210,43 @@ def cmd_train(args: argparse.Namespace) -> int:
     monitor.summary("jzero train: summary", rows)
     monitor.print(f"[bold]sample[/bold] (temperature 0.8):\n{escape(summary.sample)}")
     monitor.print(f"metrics: {out / 'metrics.csv'}")
+    return 0
+
+
+class StopOnSignals:
+    """While active, SIGTERM and SIGINT ask the training loop to stop after the current step
+    (it then saves a checkpoint) instead of killing the process; a second signal still does."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signum is not None:  # asked twice: stop now
+            signal.signal(signum, self._previous[signum])
+            signal.raise_signal(signum)
+        self.signum = signum
+
+    def __enter__(self) -> StopOnSignals:
+        self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from jzero.export import export
+
+    written = export(args.checkpoint, args.out, args.dtype)
+    print(f"jzero: wrote {written['tensors']} tensors ({_mib(written['bytes'])}) from step {written['step']} "
+          f"of {args.checkpoint} to {written['path']}")
     return 0
 
 

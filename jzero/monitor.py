@@ -22,11 +22,15 @@ CSV_COLUMNS = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "eval_loss")
 
 
 class CsvWriter:
-    """One row per logged step. A run from step 0 starts the file anew; a resumed run appends."""
+    """One row per logged step. A run from step 0 starts the file anew; a run resumed at
+    ``start_step`` keeps the rows up to it (rows a killed run logged after its last checkpoint
+    are dropped: the resumed run logs those steps again) and appends."""
 
-    def __init__(self, path: Path, append: bool):
+    def __init__(self, path: Path, start_step: int):
         path.parent.mkdir(parents=True, exist_ok=True)
-        fresh = not append or not path.exists() or path.stat().st_size == 0
+        fresh = start_step == 0 or not path.exists() or path.stat().st_size == 0
+        if not fresh:
+            _truncate_after(path, start_step)
         self._file = open(path, "w" if fresh else "a", newline="", encoding="utf-8")
         self._writer = csv.DictWriter(self._file, fieldnames=CSV_COLUMNS)
         if fresh:
@@ -39,6 +43,17 @@ class CsvWriter:
 
     def close(self) -> None:
         self._file.close()
+
+
+def _truncate_after(path: Path, step: int) -> None:
+    with open(path, newline="", encoding="utf-8") as f:
+        rows = [row for row in csv.DictReader(f) if row.get("step", "").isdigit() and int(row["step"]) <= step]
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    tmp.replace(path)
 
 
 class TensorBoardWriter:
@@ -82,10 +97,10 @@ class Monitor:
         self._progress = None
         if not self.active:
             return
-        self._writers.append(CsvWriter(out / "metrics.csv", append=start_step > 0))
+        self._writers.append(CsvWriter(out / "metrics.csv", start_step))
         if config.csv_monitor.enabled:
             self._writers.append(CsvWriter(_section_dir(config.csv_monitor, out, "csv_monitor") / "metrics.csv",
-                                           append=start_step > 0))
+                                           start_step))
         if config.tensorboard.enabled:
             self._writers.append(TensorBoardWriter(_section_dir(config.tensorboard, out, "tensorboard")))
         self._progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
