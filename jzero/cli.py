@@ -83,7 +83,7 @@ def _parser() -> argparse.ArgumentParser:
     est.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     est.set_defaults(func=cmd_estimate)
 
-    bench = sub.add_parser("bench", help="run a benchmark from benchmarks/ (sweep, compile_time)")
+    bench = sub.add_parser("bench", help="run a benchmark from benchmarks/ (sweep, compile_time, fused_adamw)")
     bench.add_argument("name", choices=sorted(BENCHMARKS), help="which benchmark")
     bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
     bench.set_defaults(func=cmd_bench)
@@ -283,7 +283,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     return 0
 
 
-BENCHMARKS = {"sweep": "sweep.py", "compile_time": "compile_time.py"}
+BENCHMARKS = {"sweep": "sweep.py", "compile_time": "compile_time.py", "fused_adamw": "fused_adamw.py"}
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

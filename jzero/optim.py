@@ -5,9 +5,15 @@ momentum, ...). Every optimizer is wrapped in `optax.inject_hyperparams`, so the
 OneCycle's momentum) follow the schedule and the lr actually applied is readable from the state.
 Gradient clipping is not part of the chain: the step computes the global norm once (it reports
 it, and later folds it into fp16 unscaling) and scales the grads before calling ``update``.
+
+Adam/AdamW run on the Pallas fused step (`jzero.fused`) when ``optimizer.params.fused`` says so:
+"auto" (default) = on GPU and TPU, off on CPU; true = on (CPU: Pallas interpret mode, slow, for
+tests); false = off. Where no Pallas backend serves the platform the XLA path runs, with a notice.
 """
 from __future__ import annotations
 
+import functools
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -15,8 +21,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jzero import schedules
-from jzero.config import AUTO, Config, ConfigError, OptimizerConfig, unknown
+from jzero import fused, schedules
+from jzero.config import AUTO, Config, ConfigError, ConfigWarning, OptimizerConfig, unknown
 
 # canonical type -> {param: default}; DeepSpeed's defaults (FusedAdam, FusedLamb, Lion, torch SGD).
 PARAMS: dict[str, dict[str, Any]] = {
@@ -60,7 +66,7 @@ def resolve_params(opt: OptimizerConfig) -> dict[str, Any]:
         where = f"optimizer.params.{key}"
         if key not in table:
             raise unknown(where, f"key for {name}", key, table)
-        if value == AUTO:
+        if value == AUTO and key != "fused":  # fused: "auto" is its own setting (on GPU/TPU)
             raise ConfigError(f"{where}: 'auto' has no source in jzero (no HF TrainingArguments); set a value")
         out[key] = _check_value(where, table[key], value)
     for key, (ok, why) in RESTRICTED.items():
@@ -109,7 +115,52 @@ def build(cfg: Config) -> Optimizer:
         name = "AdamL2"
     hyper = _HYPER[name](p, sched)
     static = tuple(k for k, v in hyper.items() if isinstance(v, bool))
-    return Optimizer(optax.inject_hyperparams(_FACTORIES[name], static_args=static)(**hyper), sched)
+    backend = fused_backend(cfg, notice=True)
+    factory = functools.partial(fused.fused_adamw, backend=backend) if backend else _FACTORIES[name]
+    return Optimizer(optax.inject_hyperparams(factory, static_args=static)(**hyper), sched)
+
+
+def fused_backend(cfg: Config, *, notice: bool = False) -> str | None:
+    """The Pallas backend of the fused AdamW step for this config on this platform, or None
+    for the XLA path. With ``notice``, says in one line why a requested fused step is off."""
+    name = canonical_name(cfg.optimizer.type)
+    p = resolve_params(cfg.optimizer)
+    setting = p.get("fused", False)
+    platform = jax.default_backend()
+    if setting is False or (setting == "auto" and platform == "cpu"):
+        return None
+    why = None
+    if name == "Adam" and not p["adam_w_mode"]:
+        why = "the fused step is AdamW's (adam_w_mode: true)"
+    backend = _PLATFORM_BACKENDS.get(platform, lambda: None)()
+    if backend is None and why is None:
+        why = f"no Pallas backend for platform '{platform}'"
+    if why is not None:
+        if notice:
+            warnings.warn(f"optimizer.params.fused: {setting!r} but {why}; using the XLA optimizer step",
+                          ConfigWarning, stacklevel=3)
+        return None
+    return backend
+
+
+def _gpu_backend() -> str | None:
+    """Mosaic GPU on Hopper and newer (jax's default GPU Pallas backend), else Triton."""
+    capability = getattr(jax.devices()[0], "compute_capability", "0.0")
+    if float(capability) >= 9.0:
+        return "mosaic_gpu"
+    try:
+        from jax.experimental.pallas import triton  # noqa: F401  (deprecated in jax 0.11; may go)
+    except ImportError:
+        return None
+    return "triton"
+
+
+_PLATFORM_BACKENDS: dict[str, Callable[[], str | None]] = {
+    "cpu": lambda: "interpret",
+    "gpu": _gpu_backend,
+    "cuda": _gpu_backend,
+    "tpu": lambda: "tpu",
+}
 
 
 def _betas(p: Mapping[str, Any], sched: schedules.Schedules) -> dict[str, Any]:

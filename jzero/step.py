@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jzero import hooks, precision
+from jzero import fused, hooks, optim, precision
 from jzero.mesh import DATA_AXES
 from jzero.sharding import is_stacked
 from jzero.state import TrainState
@@ -46,21 +46,31 @@ def train_step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax
         # DeepSpeed folds clipping into unscaling: clip = (norm + 1e-6) / max_norm, applied if > 1.
         clip = (grad_norm + 1e-6) / cfg.gradient_clipping
         divisor = jnp.where(clip > 1, clip * scale, scale)
-    if scaler is not None or cfg.gradient_clipping > 0:
-        grads = jax.tree.map(lambda g: g / divisor.astype(g.dtype), grads)
+    # An fp16 overflow anywhere (the norm is not finite) skips the step on every device: params
+    # and optimizer state (and so the LR schedule's count) stay bit-identical.
+    overflow = ~jnp.isfinite(scaled_norm) if scaler is not None else jnp.bool_(False)
     grads = _constrain(grads, plan.update)
     params = _constrain(state.params, plan.update)
-    updates, opt_state = state.tx.update(grads, state.opt_state, params)
-    params = _constrain(optax.apply_updates(params, updates), plan.params)
+    is_fused = optim.fused_backend(cfg) is not None
+    if is_fused:  # one kernel pass per shard: divides, skips and updates params and moments in place
+        params, opt_state = fused.apply(state.tx, grads, state.opt_state, params, grad_divisor=divisor,
+                                        skip=overflow, layout=plan.update)
+    else:
+        if scaler is not None or cfg.gradient_clipping > 0:
+            grads = jax.tree.map(lambda g: g / divisor.astype(g.dtype), grads)
+        updates, opt_state = state.tx.update(grads, state.opt_state, params)
+        params = optax.apply_updates(params, updates)
+    params = _constrain(params, plan.params)
     opt_state = _constrain(opt_state, plan.opt_state)
     loss_scale = state.loss_scale
     metrics = {"loss": loss, "grad_norm": grad_norm}
     if scaler is not None:
-        # An overflow anywhere (the norm is not finite) skips the step on every device: params and
-        # optimizer state (and so the LR schedule's count) stay bit-identical.
-        overflow = ~jnp.isfinite(scaled_norm)
-        params = jax.tree.map(lambda old, new: jnp.where(overflow, old, new), state.params, params)
-        opt_state = jax.tree.map(lambda old, new: jnp.where(overflow, old, new), state.opt_state, opt_state)
+        def keep_on_overflow(old, new):  # the fused kernel already kept its arrays
+            return new if is_fused and new.ndim else jnp.where(overflow, old, new)
+
+        if not is_fused:
+            params = jax.tree.map(keep_on_overflow, state.params, params)
+        opt_state = jax.tree.map(keep_on_overflow, state.opt_state, opt_state)
         loss_scale = scaler.update(state.loss_scale, overflow)
         metrics.update(loss_scale=state.loss_scale.scale, skipped=overflow, skipped_total=loss_scale.skipped,
                        loss_scale_at_min=state.loss_scale.scale <= scaler.min_scale)
