@@ -31,6 +31,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jzero import precision, treepath
+from jzero import state as state_lib
 from jzero.config import Config, ConfigError
 
 FORMAT = "jzero-checkpoint"
@@ -286,7 +287,7 @@ def _assemble(target: Any, named: dict[str, jax.Array], has_scale: bool, rng_imp
     else:
         warnings.warn("the checkpoint has no fp16 loss-scale state; the loss scaler starts fresh", CheckpointWarning,
                       stacklevel=3)
-        loss_scale = jax.device_put(precision.loss_scaler(target.config).init(), target.plan.replicated)
+        loss_scale = state_lib.replicated(precision.loss_scaler(target.config).init, target.plan)
     return target.replace(step=named["step"], params=part("params", target.params),
                           opt_state=part("opt_state", target.opt_state), rng=rng, loss_scale=loss_scale)
 

@@ -65,7 +65,18 @@ def _parser() -> argparse.ArgumentParser:
                        help="override a config key by dotted path, e.g. --set zero_optimization.stage=3")
     train.add_argument("--no-resume", action="store_true",
                        help="start over instead of resuming from OUT/checkpoints (which is moved aside, not deleted)")
+    train.add_argument("--coordinator", metavar="HOST:PORT",
+                       help="multi-process: process 0's address (env JZERO_COORDINATOR)")
+    train.add_argument("--num-processes", type=int, help="multi-process: how many (env JZERO_NUM_PROCESSES)")
+    train.add_argument("--process-id", type=int, help="multi-process: this one, 0-based (env JZERO_PROCESS_ID)")
     train.set_defaults(func=cmd_train)
+
+    launch = sub.add_parser("launch", help="run a command as N processes on this host (like torchrun)")
+    launch.add_argument("--nproc", type=int, required=True, help="processes to start")
+    launch.add_argument("--devices-per-proc", type=int, help="simulated CPU devices per process")
+    launch.add_argument("--port", type=int, default=0, help="coordinator port on 127.0.0.1 (default: a free one)")
+    launch.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the command, e.g. -- jzero train CONFIG")
+    launch.set_defaults(func=cmd_launch)
 
     exp = sub.add_parser("export", help="write a checkpoint's params as one safetensors file")
     exp.add_argument("checkpoint", help="a checkpoint directory (its newest readable step) or one step directory")
@@ -129,10 +140,32 @@ def simulate_devices(count: int | None) -> None:
     os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={count}"])
 
 
+def _local_devices(total: int, num_processes: int) -> int:
+    """Devices each process simulates: ``--devices`` counts the whole run's devices."""
+    if total % num_processes:
+        raise UsageError(f"--devices: {total} devices do not split over {num_processes} processes")
+    return total // num_processes
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    from jzero import launch
+
+    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if not cmd:
+        raise UsageError("launch: give the command after --, e.g. jzero launch --nproc 2 -- jzero train CONFIG")
+    if args.nproc < 1:
+        raise UsageError(f"--nproc: must be >= 1, got {args.nproc}")
+    return launch.run(cmd, args.nproc, devices_per_proc=args.devices_per_proc, port=args.port)
+
+
 def cmd_train(args: argparse.Namespace) -> int:
+    from jzero import distributed
+
     raw = read_overridden(args.config, args.set)
+    run = distributed.settings(args.coordinator, args.num_processes, args.process_id)
     devices = args.devices or raw.get("jzero", {}).get("mesh", {}).get("devices")
-    simulate_devices(devices if isinstance(devices, int) else None)
+    simulate_devices(_local_devices(devices, run.num_processes) if isinstance(devices, int) else None)
+    distributed.initialize(run)
     if args.devices:
         raw.setdefault("jzero", {}).setdefault("mesh", {})["devices"] = args.devices
     if args.steps is not None:
@@ -146,10 +179,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     config = load_config(raw)
     out = Path(args.out)
     checkpoints = out / "checkpoints"
-    if args.no_resume and checkpoints.exists():
+    if args.no_resume and checkpoints.exists() and distributed.is_primary():
         aside = out / f"checkpoints.replaced-{time.strftime('%Y%m%d-%H%M%S')}"
         checkpoints.rename(aside)
         print(f"jzero: --no-resume: moved the earlier checkpoints to {aside}")
+    distributed.barrier("jzero-no-resume")
     ckpt_cfg = config.jzero.checkpoint
     checkpointer = Checkpointer(checkpoints, config, max_to_keep=ckpt_cfg.max_to_keep, async_save=ckpt_cfg.async_save)
     try:
@@ -168,14 +202,17 @@ def _train(config: Config, out: Path, checkpointer: Checkpointer) -> int:
     from jzero.mesh import data_parallel_size
     from jzero.monitor import Monitor
 
+    from jzero import distributed
+
+    say = print if distributed.is_primary() else _silent
     engine = Engine(config, checkpointer)
     config = engine.config
     steps, start = config.jzero.train.steps, int(engine.state.step)
     if engine.resumed:
-        print(f"jzero: resuming from step {start} of {checkpointer.directory} (--no-resume starts over)")
+        say(f"jzero: resuming from step {start} of {checkpointer.directory} (--no-resume starts over)")
     if start >= steps:
-        print(f"jzero: already trained to step {start} (jzero.train.steps is {steps}); nothing to do. "
-              "Pass --steps to train longer or --no-resume to start over.")
+        say(f"jzero: already trained to step {start} (jzero.train.steps is {steps}); nothing to do. "
+            "Pass --steps to train longer or --no-resume to start over.")
         return 0
     monitor = Monitor(config, out, total_steps=steps, start_step=start)
     mesh = engine.state.plan.mesh
@@ -191,7 +228,7 @@ def _train(config: Config, out: Path, checkpointer: Checkpointer) -> int:
             monitor.close()
         checkpointer.wait()
     if summary.stopped:
-        print(f"jzero: {signal.Signals(stop.signum).name} received: saved step {summary.steps} in "
+        say(f"jzero: {signal.Signals(stop.signum).name} received: saved step {summary.steps} in "
               f"{checkpointer.directory}; run the same command to resume", file=sys.stderr)
         return 128 + stop.signum
     out.mkdir(parents=True, exist_ok=True)
@@ -211,6 +248,10 @@ def _train(config: Config, out: Path, checkpointer: Checkpointer) -> int:
     monitor.print(f"[bold]sample[/bold] (temperature 0.8):\n{escape(summary.sample)}")
     monitor.print(f"metrics: {out / 'metrics.csv'}")
     return 0
+
+
+def _silent(*args: Any, **kwargs: Any) -> None:
+    """What processes other than 0 print: nothing (their errors still reach stderr)."""
 
 
 class StopOnSignals:

@@ -103,6 +103,7 @@ class Collective:
     group_size: int
     count: int  # executions per step (trip counts of enclosing loops multiplied)
     name: str
+    groups: tuple[tuple[int, ...], ...] | None = None  # device ids of each group, where the HLO lists them
 
     @property
     def zero_elements(self) -> int:
@@ -174,7 +175,8 @@ def comm(compiled: Any) -> CommReport:
             shapes = _SHAPE.findall(m.group(2))
             elements = sum(math.prod(int(d) for d in dims.split(",") if d) for _, dims in shapes)
             found.append(Collective(kind=kind, dtype=shapes[0][0] if shapes else "?", elements=elements,
-                                    group_size=_group_size(line), count=counts.get(comp, 0), name=m.group(1)))
+                                    group_size=_group_size(line), count=counts.get(comp, 0), name=m.group(1),
+                                    groups=_groups(line)))
     return CommReport(tuple(found))
 
 
@@ -200,6 +202,36 @@ def _execution_counts(instructions: dict[str, list[str]], entry: str | None) -> 
     if entry is not None:
         visit(entry, 1)
     return counts
+
+
+def _groups(line: str) -> tuple[tuple[int, ...], ...] | None:
+    """The replica groups as device-id tuples: explicit ``{{0,1},{2,3}}`` or the iota form
+    ``[2,4]<=[4,2]T(1,0)``; None for forms that need the mesh to resolve."""
+    m = re.search(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", line)
+    if m:
+        return tuple(tuple(int(d) for d in g.split(",") if d) for g in re.findall(r"\{([\d,]*)\}", m.group(1)))
+    m = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
+    if m:
+        shape = [int(d) for d in m.group(1).split(",")]
+        ids = np.arange(math.prod(int(d) for d in m.group(2).split(","))).reshape(
+            [int(d) for d in m.group(2).split(",")])
+        if m.group(3):
+            ids = ids.transpose([int(d) for d in m.group(3).split(",")])
+        return tuple(tuple(int(i) for i in row) for row in ids.reshape(shape[0], -1))
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))? "
+                  r"\{([^}]*)\}", line)
+    if m:  # Shardy's form: named mesh axes over (permuted) device ids; the group spans the named axes
+        axes = [(name, int(size)) for name, size in re.findall(r"'(\w+)'=(\d+)", m.group(1))]
+        ids = np.arange(math.prod(size for _, size in axes))
+        if m.group(2):
+            ids = ids.reshape([int(d) for d in m.group(2).split(",")])
+            if m.group(3):
+                ids = ids.transpose([int(d) for d in m.group(3).split(",")])
+        names = [a for a, _ in axes]
+        over = [names.index(a) for a in re.findall(r"'(\w+)'", m.group(4))]
+        grid = np.moveaxis(ids.reshape([size for _, size in axes]), over, range(-len(over), 0))
+        return tuple(tuple(int(i) for i in row) for row in grid.reshape(-1, math.prod(grid.shape[-len(over):])))
+    return None
 
 
 def _group_size(line: str) -> int:

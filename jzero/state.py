@@ -58,12 +58,18 @@ def init(init_fn: Callable[[jax.Array], Any], config: Config, *, loss_fn: LossFn
     else:
         params = _place(params, jax.eval_shape(prep.make_params, prep.key), plan.params)
     opt_state = jax.jit(prep.tx.init, out_shardings=plan.opt_state)(params)
-    step_rng = jax.device_put(jax.random.fold_in(prep.key, 1), plan.replicated)
+    step_rng = replicated(lambda k: jax.random.fold_in(k, 1), plan, prep.key)
     scaler = precision.loss_scaler(prep.config)
-    loss_scale = None if scaler is None else jax.device_put(scaler.init(), plan.replicated)
-    return TrainState(step=jax.device_put(jnp.zeros((), jnp.int32), plan.replicated), params=params,
+    loss_scale = None if scaler is None else replicated(scaler.init, plan)
+    return TrainState(step=replicated(lambda: jnp.zeros((), jnp.int32), plan), params=params,
                       opt_state=opt_state, rng=step_rng, loss_scale=loss_scale, loss_fn=loss_fn, tx=prep.tx,
                       plan=plan, config=prep.config)
+
+
+def replicated(fn: Callable[..., Any], plan: sharding.Plan, *args: Any) -> Any:
+    """``fn(*args)`` computed as replicated arrays on the plan's mesh. Not `jax.device_put`:
+    that needs every device addressable, which a multi-process mesh is not."""
+    return jax.jit(fn, out_shardings=plan.replicated)(*args)
 
 
 def abstract_init(init_fn: Callable[[jax.Array], Any], config: Config, *, loss_fn: LossFn,

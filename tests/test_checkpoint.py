@@ -249,6 +249,7 @@ RESUME = [*FAST, "--devices", "4", "--steps", "12", "--set", "jzero.checkpoint.i
 SLOW_EVAL = ["--set", "jzero.train.eval_interval=7", "--set", "jzero.train.eval_batches=400"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [1, 3])
 def test_train_resumes_exactly_after_sigkill(tmp_path, stage):
     zero = ["--set", f"zero_optimization.stage={stage}"]

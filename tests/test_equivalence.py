@@ -139,3 +139,33 @@ def test_stage3_params_hold_one_nth_per_device():
             assert len(shards) == 8
             assert all(sh.data.size * 8 == x.size for sh in shards)
             assert len({str(sh.index) for sh in shards}) == 8  # eight distinct slices, no duplicates
+
+
+def test_hpz_shards_inside_groups_of_4_and_trains_like_fsdp_8():
+    """zero_hpz_partition_size 4 on 8 devices (mesh replica 2 x fsdp 4), stage 3: the losses of
+    ZeRO-3 over all 8, params all-gathered and grads reduce-scattered only inside each group of
+    4, and gradients summed across the 2 groups by an all-reduce over pairs."""
+    from jzero import profile
+
+    make_fns, make_batches = MODELS["gpt"]
+    init_fn, loss_fn = make_fns()
+    cfg = jzero.load_config({
+        "train_batch_size": BATCH, "zero_optimization": {
+            "stage": 3, "stage3_param_persistence_threshold": 0, "zero_hpz_partition_size": 4},
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD, "eps": EPS}}})
+    state = jzero.init(init_fn, cfg, loss_fn=loss_fn, rng=jax.random.key(0), mesh=jzero.make_mesh(cfg))
+    assert dict(state.plan.mesh.shape) == {"replica": 2, "fsdp": 4}
+    batches = make_batches()
+    report = profile.comm(jzero.train_step.lower(state, batches[0]).compile())
+    losses = []
+    for batch in batches:
+        state, metrics = jzero.train_step(state, batch)
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, run("gpt", 3, 8, 1)[0], rtol=1e-5)
+    quads, pairs = ((0, 1, 2, 3), (4, 5, 6, 7)), ((0, 4), (1, 5), (2, 6), (3, 7))
+    moving = [c for c in report.collectives if c.group_size > 1]
+    gathers = [c for c in moving if c.kind == "all-gather"]
+    scatters = [c for c in moving if c.kind == "reduce-scatter"]
+    assert gathers and scatters
+    assert all(c.groups == quads for c in gathers + scatters), [(c.kind, c.groups) for c in gathers + scatters]
+    assert any(c.kind == "all-reduce" and c.groups == pairs for c in moving)
