@@ -159,24 +159,26 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from jzero import distributed
+    from jzero import distributed, xla_flags
+    from jzero.config import load_config
 
     raw = read_overridden(args.config, args.set)
     run = distributed.settings(args.coordinator, args.num_processes, args.process_id)
     devices = args.devices or raw.get("jzero", {}).get("mesh", {}).get("devices")
-    simulate_devices(_local_devices(devices, run.num_processes) if isinstance(devices, int) else None)
-    distributed.initialize(run)
     if args.devices:
         raw.setdefault("jzero", {}).setdefault("mesh", {})["devices"] = args.devices
     if args.steps is not None:
         if args.steps < 1:
             raise UsageError(f"--steps: must be >= 1, got {args.steps}")
         raw.setdefault("jzero", {}).setdefault("train", {})["steps"] = args.steps
+    config = load_config(raw)
+    # Before any JAX backend starts: simulated devices, XLA flags, the multi-process runtime.
+    simulate_devices(_local_devices(devices, run.num_processes) if isinstance(devices, int) else None)
+    flags = xla_flags.apply(config)
+    distributed.initialize(run)
 
     from jzero.checkpoint import Checkpointer
-    from jzero.config import load_config
 
-    config = load_config(raw)
     out = Path(args.out)
     checkpoints = out / "checkpoints"
     if args.no_resume and checkpoints.exists() and distributed.is_primary():
@@ -187,12 +189,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     ckpt_cfg = config.jzero.checkpoint
     checkpointer = Checkpointer(checkpoints, config, max_to_keep=ckpt_cfg.max_to_keep, async_save=ckpt_cfg.async_save)
     try:
-        return _train(config, out, checkpointer)
+        return _train(config, out, checkpointer, flags)
     finally:
         checkpointer.close()
 
 
-def _train(config: Config, out: Path, checkpointer: Checkpointer) -> int:
+def _train(config: Config, out: Path, checkpointer: Checkpointer, flags: list[str]) -> int:
     import jax
 
     from rich.markup import escape
@@ -202,7 +204,7 @@ def _train(config: Config, out: Path, checkpointer: Checkpointer) -> int:
     from jzero.mesh import data_parallel_size
     from jzero.monitor import Monitor
 
-    from jzero import distributed
+    from jzero import distributed, xla_flags
 
     say = print if distributed.is_primary() else _silent
     engine = Engine(config, checkpointer)
@@ -221,6 +223,8 @@ def _train(config: Config, out: Path, checkpointer: Checkpointer) -> int:
                   f"{config.zero_optimization.stage}, mesh {dict(mesh.shape)} on {jax.devices()[0].platform}, "
                   f"batch {config.train_batch_size} = micro {config.train_micro_batch_size_per_gpu} x accum "
                   f"{config.gradient_accumulation_steps} x dp {data_parallel_size(mesh)}, remat {config.jzero.remat}")
+    if xla_flags.describe(flags, jax.default_backend()):
+        monitor.print(xla_flags.describe(flags, jax.default_backend()))
     with StopOnSignals() as stop:
         try:
             summary = engine.train(steps, monitor, checkpointer, should_stop=stop.requested)

@@ -8,11 +8,16 @@ each device computes its local slice) and feeds the block its params through one
 custom-VJP hooks, chosen per leaf by the ZeRO table (`jzero.sharding.leaf_specs`):
 
 * ``gather`` (stored sharded, stage 3): all-gather the shard over "fsdp" in the compute dtype,
-  moved as its raw 16-bit pattern so no backend can widen it; backward: reduce-scatter the fp32
-  gradient over "fsdp" (then sum over "replica").
+  moved as its raw 16-bit pattern so no backend can widen it; backward: reduce-scatter the
+  gradient over "fsdp" (then sum over "replica") in the communication dtype (fp32 unless
+  ``communication_data_type`` says otherwise), back to fp32 after.
 * ``sink`` (stored replicated, gradient sharded: stages 1-2, or stage-3 persistent params): use the
   local replica; backward: the same reduce-scatter into the gradient's shard.
-* ``replicate`` (nothing divisible): use the local replica; backward: all-reduce in fp32.
+* ``replicate`` (nothing divisible): use the local replica; backward: all-reduce (communication dtype).
+
+``communication_data_type`` governs these collectives only. Params outside the stack (and every
+param at stage 0) are reduced where GSPMD places the reduction: at the matmul that produces the
+gradient, in that matmul's dtype (the compute dtype), whatever a later cast asks for.
 
 The layer body is rematerialized with a policy that never saves a hook's output, so a gathered
 layer is dropped after use and gathered again for the backward pass (stage 3 moves 3Ψ).
@@ -42,6 +47,7 @@ class HookContext:
     stage: int
     persistence_threshold: int
     compute_dtype: Any
+    comm_dtype: Any = jnp.float32  # gradients are reduced in this dtype (communication_data_type)
 
 
 _ACTIVE: contextvars.ContextVar[HookContext | None] = contextvars.ContextVar("jzero_hooks", default=None)
@@ -79,57 +85,57 @@ def _from_wire(x: jax.Array, dtype: Any) -> jax.Array:
     return jax.lax.bitcast_convert_type(x, dtype) if x.dtype == jnp.uint16 else x
 
 
-def _reduce_scatter(ct: jax.Array, dim: int) -> jax.Array:
-    """Sum the local fp32 gradients: scatter inside the ZeRO group, then add across replicas
-    (a group of one device when replica = 1: no data moves)."""
-    shard = jax.lax.psum_scatter(ct.astype(jnp.float32), FSDP, scatter_dimension=dim, tiled=True)
-    return jax.lax.psum(shard, REPLICA)
+def _reduce_scatter(ct: jax.Array, dim: int, comm: Any) -> jax.Array:
+    """Sum the local gradients in ``comm``: scatter inside the ZeRO group, then add across
+    replicas (a group of one device when replica = 1: no data moves); fp32 after."""
+    shard = jax.lax.psum_scatter(ct.astype(comm), FSDP, scatter_dimension=dim, tiled=True)
+    return jax.lax.psum(shard, REPLICA).astype(jnp.float32)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def gather(shard: jax.Array, dim: int, dtype: Any) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def gather(shard: jax.Array, dim: int, dtype: Any, comm: Any) -> jax.Array:
     full = jax.lax.all_gather(_to_wire(shard.astype(dtype)), FSDP, axis=dim, tiled=True)
     return _varying(_from_wire(full, dtype), (REPLICA,))  # all_gather output already varies over fsdp
 
 
-def _gather_fwd(shard, dim, dtype):
-    return gather(shard, dim, dtype), None
+def _gather_fwd(shard, dim, dtype, comm):
+    return gather(shard, dim, dtype, comm), None
 
 
-def _gather_bwd(dim, dtype, _, ct):
-    return (_reduce_scatter(ct, dim),)
+def _gather_bwd(dim, dtype, comm, _, ct):
+    return (_reduce_scatter(ct, dim, comm),)
 
 
 gather.defvjp(_gather_fwd, _gather_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def sink(replica: jax.Array, shard: jax.Array, dim: int, dtype: Any) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def sink(replica: jax.Array, shard: jax.Array, dim: int, dtype: Any, comm: Any) -> jax.Array:
     return _varying(replica.astype(dtype), DATA_AXES)
 
 
-def _sink_fwd(replica, shard, dim, dtype):
-    return sink(replica, shard, dim, dtype), None
+def _sink_fwd(replica, shard, dim, dtype, comm):
+    return sink(replica, shard, dim, dtype, comm), None
 
 
-def _sink_bwd(dim, dtype, _, ct):
-    return None, _reduce_scatter(ct, dim)
+def _sink_bwd(dim, dtype, comm, _, ct):
+    return None, _reduce_scatter(ct, dim, comm)
 
 
 sink.defvjp(_sink_fwd, _sink_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def replicate(replica: jax.Array, dtype: Any) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def replicate(replica: jax.Array, dtype: Any, comm: Any) -> jax.Array:
     return _varying(replica.astype(dtype), DATA_AXES)
 
 
-def _replicate_fwd(replica, dtype):
-    return replicate(replica, dtype), None
+def _replicate_fwd(replica, dtype, comm):
+    return replicate(replica, dtype, comm), None
 
 
-def _replicate_bwd(dtype, _, ct):
-    return (jax.lax.psum(ct.astype(jnp.float32), DATA_AXES),)
+def _replicate_bwd(dtype, comm, _, ct):
+    return (jax.lax.psum(ct.astype(comm), DATA_AXES).astype(jnp.float32),)
 
 
 replicate.defvjp(_replicate_fwd, _replicate_bwd)
@@ -178,12 +184,12 @@ def scan(ctx: HookContext, apply_layer: Callable, policy: Callable | None, x: An
         for ls in kinds:
             dim_p, dim_g = _fsdp_dim(ls.params), _fsdp_dim(ls.grads)
             if dim_p is not None:
-                ws.append(gather(next(it), dim_p, ctx.compute_dtype))
+                ws.append(gather(next(it), dim_p, ctx.compute_dtype, ctx.comm_dtype))
             elif dim_g is not None:
                 rep, shard = next(it), next(it)
-                ws.append(sink(rep, shard, dim_g, ctx.compute_dtype))
+                ws.append(sink(rep, shard, dim_g, ctx.compute_dtype, ctx.comm_dtype))
             else:
-                ws.append(replicate(next(it), ctx.compute_dtype))
+                ws.append(replicate(next(it), ctx.compute_dtype, ctx.comm_dtype))
         return apply_layer(jax.tree.unflatten(treedef, ws), carry, layer_extra)
 
     local = jax.checkpoint(local, policy=checkpoint_policy, prevent_cse=False)

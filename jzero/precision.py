@@ -29,15 +29,18 @@ class Policy(NamedTuple):
     param_dtype: Any
     compute_dtype: Any
     grad_accum_dtype: Any
+    comm_dtype: Any  # gradients are reduced across devices in this dtype
 
 
 def policy(config: Config) -> Policy:
-    """bf16.enabled -> bf16 compute; fp16.enabled -> fp16; else fp32 (jzero.compute_dtype overrides)."""
+    """bf16.enabled -> bf16 compute; fp16.enabled -> fp16; else fp32 (jzero.compute_dtype overrides).
+    Gradient reductions in ``communication_data_type`` (default fp32, as DeepSpeed for bf16)."""
     if config.jzero.compute_dtype is not None:
         compute = config.jzero.compute_dtype
     else:
         compute = "bf16" if config.bf16.enabled else "fp16" if config.fp16.enabled else "fp32"
-    return Policy(jnp.float32, DTYPES[compute], DTYPES[config.data_types.grad_accum_dtype])
+    return Policy(jnp.float32, DTYPES[compute], DTYPES[config.data_types.grad_accum_dtype],
+                  DTYPES[config.communication_data_type or "fp32"])
 
 
 def cast_floating(tree: Any, dtype: Any) -> Any:

@@ -104,6 +104,7 @@ class Collective:
     count: int  # executions per step (trip counts of enclosing loops multiplied)
     name: str
     groups: tuple[tuple[int, ...], ...] | None = None  # device ids of each group, where the HLO lists them
+    widened_to: str | None = None  # the dtype the backend really carries, where it widened ``dtype``
 
     @property
     def zero_elements(self) -> int:
@@ -165,6 +166,7 @@ def comm(compiled: Any) -> CommReport:
         if current is not None and line.strip() and line.strip() != "}":
             instructions[current].append(line)
     counts = _execution_counts(instructions, entry)
+    defs = {m.group(1): line for lines in instructions.values() for line in lines if (m := _INSTRUCTION.match(line))}
     found = []
     for comp, lines in instructions.items():
         for line in lines:
@@ -174,9 +176,11 @@ def comm(compiled: Any) -> CommReport:
             kind = m.group(3).removesuffix("-start")
             shapes = _SHAPE.findall(m.group(2))
             elements = sum(math.prod(int(d) for d in dims.split(",") if d) for _, dims in shapes)
-            found.append(Collective(kind=kind, dtype=shapes[0][0] if shapes else "?", elements=elements,
+            dtype = shapes[0][0] if shapes else "?"
+            requested = _requested_dtype(line, defs, instructions)
+            found.append(Collective(kind=kind, dtype=requested or dtype, elements=elements,
                                     group_size=_group_size(line), count=counts.get(comp, 0), name=m.group(1),
-                                    groups=_groups(line)))
+                                    groups=_groups(line), widened_to=dtype if requested else None))
     return CommReport(tuple(found))
 
 
@@ -202,6 +206,24 @@ def _execution_counts(instructions: dict[str, list[str]], entry: str | None) -> 
     if entry is not None:
         visit(entry, 1)
     return counts
+
+
+def _requested_dtype(line: str, defs: dict[str, str], instructions: dict[str, list[str]]) -> str | None:
+    """The 16-bit dtype a reduction was asked for when the backend widened it: XLA's CPU backend
+    reduces bf16/f16 in f32 (its reduction computation renamed ``*_promoted``, the operand a
+    fusion that rounds to 16 bits and converts back). None when nothing was widened."""
+    if not re.search(r"to_apply=%[\w.\-]+_promoted\b", line):
+        return None
+    call = re.search(r" [a-z\-]+\(([^)]*)\)", line.split("=", 1)[1])
+    operands = re.findall(r"%([\w.\-]+)", call.group(1)) if call else []
+    for name in operands:
+        text = defs.get(name, "")
+        callee = re.search(r"calls=%([\w.\-]+)", text)
+        body = text + "\n".join(instructions.get(callee.group(1), [])) if callee else text
+        for wanted in ("bf16", "f16"):
+            if re.search(rf"\b{wanted}\[", body):
+                return wanted
+    return None
 
 
 def _groups(line: str) -> tuple[tuple[int, ...], ...] | None:

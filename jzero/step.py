@@ -82,15 +82,15 @@ def train_step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax
 
 def _loss_and_aux(state: TrainState, params: Any, batch: Any, rng: jax.Array, scale: Any = 1.0):
     """The user's loss on params cast to the compute dtype. At stage >= 1 the per-layer hooks
-    of `scan_layers` are active; they cast the stacked params themselves (after the fp32
-    reduce-scatter in backward, so gradients are reduced in fp32)."""
-    compute = precision.policy(state.config).compute_dtype
-    ctx = _hook_context(state, compute)
+    of `scan_layers` are active; they cast the stacked params themselves (after the
+    reduce-scatter in backward, so gradients are reduced in the communication dtype)."""
+    pol = precision.policy(state.config)
+    ctx = _hook_context(state, pol)
     if ctx is None:
-        params = precision.cast_floating(params, compute)
+        params = precision.cast_floating(params, pol.compute_dtype)
     else:
         params = jax.tree_util.tree_map_with_path(
-            lambda path, x: x if is_stacked(path) else precision.cast_floating(x, compute), params)
+            lambda path, x: x if is_stacked(path) else precision.cast_floating(x, pol.compute_dtype), params)
     with hooks.active(ctx):
         out = state.loss_fn(params, batch, rng)
     loss, aux = out if isinstance(out, tuple) else (out, None)
@@ -98,11 +98,12 @@ def _loss_and_aux(state: TrainState, params: Any, batch: Any, rng: jax.Array, sc
     return loss * scale, (loss, aux)
 
 
-def _hook_context(state: TrainState, compute: Any) -> hooks.HookContext | None:
+def _hook_context(state: TrainState, pol: precision.Policy) -> hooks.HookContext | None:
     stage = state.config.zero_optimization.stage
     if stage == 0:
         return None  # replicated grads: GSPMD's all-reduce is the stage's collective
-    return hooks.HookContext(mesh=state.plan.mesh, stage=stage, compute_dtype=compute,
+    return hooks.HookContext(mesh=state.plan.mesh, stage=stage, compute_dtype=pol.compute_dtype,
+                             comm_dtype=pol.comm_dtype,
                              persistence_threshold=state.config.zero_optimization.stage3_param_persistence_threshold)
 
 

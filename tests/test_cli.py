@@ -36,9 +36,12 @@ def read_csv(path):
 def test_train_every_stage_writes_metrics(tmp_path, stage):
     out = tmp_path / f"zero{stage}"
     monitors = ["--set", "tensorboard.enabled=true", "--set", "csv_monitor.enabled=true"] if stage == 1 else []
+    comm = ["--set", "zero_optimization.overlap_comm=true"] if stage == 2 else []
     proc = jzero_cli("train", str(TINY), "--out", str(out), "--devices", "4",
-                     "--set", f"zero_optimization.stage={stage}", *FAST, *monitors)
+                     "--set", f"zero_optimization.stage={stage}", *FAST, *monitors, *comm)
     assert proc.returncode == 0, proc.stderr[-2000:]
+    assert ("jzero: communication flags (no effect on cpu): --xla_gpu_enable_latency_hiding_scheduler=true"
+            in proc.stdout) == bool(comm)
     assert "summary" in proc.stdout and "sample" in proc.stdout and f"ZeRO stage {stage}" in proc.stdout
     assert "'replica': 1, 'fsdp': 4" in proc.stdout
     rows = read_csv(out / "metrics.csv")

@@ -17,12 +17,12 @@ BASE = dict(vocab_size=64, seq_len=16, d_model=64, n_heads=4, d_ff=256, remat="f
 
 
 @functools.cache
-def compiled(stage, layers=4, accum=1, bf16=False):
+def compiled(stage, layers=4, accum=1, bf16=False, comm=None):
     """(compiled step, params in the stack per layer) for the contract GPT."""
     cfg_model = gpt.GPTConfig(n_layers=layers, **BASE)
     init_fn, loss_fn = gpt.make(cfg_model)
     cfg = jzero.load_config({"train_batch_size": 16 * accum, "gradient_accumulation_steps": accum,
-                             "bf16": {"enabled": bf16},
+                             "bf16": {"enabled": bf16}, "communication_data_type": comm,
                              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}})
     state = jzero.init(init_fn, cfg, loss_fn=loss_fn, rng=0)
     batch = token_batches(1, 16 * accum, cfg_model.seq_len, cfg_model.vocab_size)[0]
@@ -91,3 +91,22 @@ def test_accumulation_adds_only_a_sharded_accumulator():
         assert four.persistent - four.other == one.persistent - one.other  # no new persistent state
         if stage >= 2:
             assert four.temp - one.temp <= 1.05 * 4 / N * one.num_params + 64 * 1024
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_bf16_communication_halves_the_gradient_reduce_scatter_bytes(stage):
+    """communication_data_type: bf16 (with bf16 compute): the layer stack's gradient
+    reduce-scatters move half the bytes, element counts unchanged. XLA's CPU backend widens
+    16-bit reductions to f32 when it runs them; the report keeps what the program asks for (what
+    GPU/TPU put on the wire) and records the widening."""
+    def scatters(comm):
+        c, _ = compiled(stage, bf16=True, comm=comm)
+        return [x for x in profile.comm(c).collectives if x.kind == "reduce-scatter" and x.group_size > 1]
+
+    fp32, bf16 = scatters("fp32"), scatters("bf16")
+    assert {c.dtype for c in fp32} == {"f32"} and {c.dtype for c in bf16} == {"bf16"}
+    assert {c.widened_to for c in bf16} <= {"f32", None}
+    elements = [sum(c.elements * c.count for c in cs) for cs in (fp32, bf16)]
+    assert elements[0] == elements[1] > 0
+    nbytes = [sum(c.elements * c.count * profile.DTYPE_BYTES[c.dtype] for c in cs) for cs in (fp32, bf16)]
+    assert nbytes[1] * 2 == nbytes[0]

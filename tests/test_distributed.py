@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+import jzero
 from jzero import distributed
 from jzero.config import ConfigError
 from test_checkpoint import _wait_for
@@ -108,3 +109,18 @@ def test_settings_come_from_flags_then_env_then_cluster():
     assert not distributed.settings(environ={}).multi_process
     assert distributed.settings(environ={"SLURM_JOB_ID": "7", "SLURM_NTASKS": "16"}).auto_detect
     assert not distributed.settings(environ={"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1"}).multi_process
+
+
+def test_communication_keys_become_gpu_xla_flags():
+    from jzero import xla_flags
+
+    cfg = jzero.load_config({"train_batch_size": 8, "communication_data_type": "bf16", "bf16": {"enabled": True},
+                             "zero_optimization": {"overlap_comm": False, "reduce_bucket_size": 1000,
+                                                   "allgather_bucket_size": 10}})
+    assert xla_flags.communication_flags(cfg) == [
+        "--xla_gpu_enable_latency_hiding_scheduler=false",
+        "--xla_gpu_all_reduce_combine_threshold_bytes=2000", "--xla_gpu_reduce_scatter_combine_threshold_bytes=2000",
+        "--xla_gpu_all_gather_combine_threshold_bytes=20"]
+    assert xla_flags.communication_flags(jzero.load_config({"train_batch_size": 8})) == []  # DeepSpeed's defaults
+    assert "no effect on cpu" in xla_flags.describe(["--x=1"], "cpu")
+    assert "in effect" in xla_flags.describe(["--x=1"], "gpu")
