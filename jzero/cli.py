@@ -63,6 +63,8 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--out", default="runs/jzero", help="output folder for metrics (default: runs/jzero)")
     train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                        help="override a config key by dotted path, e.g. --set zero_optimization.stage=3")
+    train.add_argument("--peak-tflops", type=float,
+                       help="device peak TFLOP/s for MFU (default: known for H100/H200/A100/TPU, none on CPU)")
     train.add_argument("--no-resume", action="store_true",
                        help="start over instead of resuming from OUT/checkpoints (which is moved aside, not deleted)")
     train.add_argument("--coordinator", metavar="HOST:PORT",
@@ -77,6 +79,27 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument("--port", type=int, default=0, help="coordinator port on 127.0.0.1 (default: a free one)")
     launch.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the command, e.g. -- jzero train CONFIG")
     launch.set_defaults(func=cmd_launch)
+
+    tune = sub.add_parser("autotune", help="pick ZeRO stage x micro-batch x remat by compiled memory, then time")
+    tune.add_argument("config", help="a jzero / DeepSpeed JSON config file (its train_batch_size is kept)")
+    tune.add_argument("--devices", type=int, required=True, help="devices to tune for (simulated on CPU)")
+    tune.add_argument("--memory-budget", type=float, metavar="GiB",
+                      help="per-device memory budget (default: the device's memory; required on CPU)")
+    tune.add_argument("--budget-minutes", type=float, default=float("inf"), help="stop timing after this long")
+    tune.add_argument("--out", default="runs/autotune", help="folder for best.json and results.json")
+    tune.add_argument("--stage", type=int, action="append", choices=[0, 1, 2, 3], help="stages to try (default: all)")
+    tune.add_argument("--remat", action="append", help="remat policies to try (default: none, dots, full)")
+    tune.add_argument("--steps", type=int, default=3, help="timed steps per surviving candidate")
+    tune.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    tune.set_defaults(func=cmd_autotune)
+
+    prof = sub.add_parser("profile", help="FLOPs by model scope, bytes, intensity and top collectives of a step")
+    prof.add_argument("config", help="a jzero / DeepSpeed JSON config file")
+    prof.add_argument("--devices", type=int, help="devices (simulated on a CPU-only host)")
+    prof.add_argument("--trace", metavar="DIR", help="also run a few steps under jax.profiler into DIR (TensorBoard)")
+    prof.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    prof.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    prof.set_defaults(func=cmd_profile)
 
     exp = sub.add_parser("export", help="write a checkpoint's params as one safetensors file")
     exp.add_argument("checkpoint", help="a checkpoint directory (its newest readable step) or one step directory")
@@ -189,12 +212,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     ckpt_cfg = config.jzero.checkpoint
     checkpointer = Checkpointer(checkpoints, config, max_to_keep=ckpt_cfg.max_to_keep, async_save=ckpt_cfg.async_save)
     try:
-        return _train(config, out, checkpointer, flags)
+        return _train(config, out, checkpointer, flags, args.peak_tflops)
     finally:
         checkpointer.close()
 
 
-def _train(config: Config, out: Path, checkpointer: Checkpointer, flags: list[str]) -> int:
+def _train(config: Config, out: Path, checkpointer: Checkpointer, flags: list[str],
+           peak_tflops: float | None = None) -> int:
     import jax
 
     from rich.markup import escape
@@ -204,7 +228,7 @@ def _train(config: Config, out: Path, checkpointer: Checkpointer, flags: list[st
     from jzero.mesh import data_parallel_size
     from jzero.monitor import Monitor
 
-    from jzero import distributed, xla_flags
+    from jzero import distributed, profile, xla_flags
 
     say = print if distributed.is_primary() else _silent
     engine = Engine(config, checkpointer)
@@ -243,7 +267,14 @@ def _train(config: Config, out: Path, checkpointer: Checkpointer, flags: list[st
             ("final train loss", f"{summary.train_loss:.4f}"),
             ("held-out loss", f"{summary.first_eval_loss:.4f} -> {summary.eval_loss:.4f} ({drop:.0%} lower)"),
             ("tokens/s", f"{summary.tokens_per_s:,.0f}"),
+            ("samples/s", f"{summary.samples_per_s:,.1f}"),
+            ("step time (compile excluded)", f"{1e3 * summary.step_s:,.1f} ms"),
             ("compile time", f"{summary.compile_s:.1f} s")]
+    tflops = summary.model_flops_per_step / summary.step_s / summary.devices / 1e12
+    rows.append(("model TFLOP/s per device", f"{tflops:,.4g}"))
+    peak = peak_tflops or profile.known_peak_tflops(jax.devices()[0].device_kind)
+    if peak:
+        rows.append((f"MFU (peak {peak:g} TFLOP/s)", f"{tflops / peak:.1%}"))
     if mem:
         rows += [("per-device persistent state (compiled step)", _mib(mem.persistent)),
                  ("per-device temporaries (compiled step)", _mib(mem.temp)),
@@ -295,12 +326,20 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_estimate(args: argparse.Namespace) -> int:
+def _config_on_devices(args: argparse.Namespace) -> dict[str, Any]:
+    """The config with ``--set`` applied and ``--devices`` (else jzero.mesh.devices) simulated."""
     raw = read_overridden(args.config, args.set)
-    if args.devices < 1:
-        raise UsageError(f"--devices: must be >= 1, got {args.devices}")
-    simulate_devices(args.devices)
-    raw.setdefault("jzero", {}).setdefault("mesh", {})["devices"] = args.devices
+    if args.devices is not None:
+        if args.devices < 1:
+            raise UsageError(f"--devices: must be >= 1, got {args.devices}")
+        raw.setdefault("jzero", {}).setdefault("mesh", {})["devices"] = args.devices
+    devices = raw.get("jzero", {}).get("mesh", {}).get("devices")
+    simulate_devices(devices if isinstance(devices, int) else None)
+    return raw
+
+
+def cmd_estimate(args: argparse.Namespace) -> int:
+    raw = _config_on_devices(args)
 
     from rich.console import Console
     from rich.table import Table
@@ -325,6 +364,125 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         if key != "stage":
             table.add_row(key.replace("_", " "), *(_fmt(row[key]) for row in rows))
     Console().print(table)
+    return 0
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    raw = _config_on_devices(args)
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from jzero import profile
+    from jzero.config import load_config
+    from jzero.estimate import compile_step
+    from jzero.models import gpt
+
+    compiled, state, _, model_cfg, compile_s = compile_step(load_config(raw))
+    devices = state.plan.mesh.size
+    tokens = state.config.train_batch_size * model_cfg.seq_len
+    scopes = {k: v * devices for k, v in sorted(profile.matmul_flops_by_scope(compiled).items(),
+                                                  key=lambda kv: -kv[1])}
+    total = sum(scopes.values())
+    nbytes = profile.bytes_accessed(compiled)
+    collectives = sorted(profile.comm(compiled).collectives, key=lambda c: -c.ring_bytes * c.count)[:5]
+    report = {
+        "config": args.config, "devices": devices, "tokens_per_step": tokens, "compile_s": compile_s,
+        "matmul_flops_by_scope": scopes, "matmul_flops": total,
+        "analytic_flops": gpt.model_flops(model_cfg, tokens),
+        "xla_cost_analysis_flops_per_device": profile.xla_flops(compiled),
+        "bytes_accessed_per_device": nbytes, "arithmetic_intensity": total / devices / nbytes,
+        "top_collectives": [{"kind": c.kind, "dtype": c.dtype, "elements": c.elements, "group_size": c.group_size,
+                             "per_step": c.count, "ring_bytes_per_step": c.ring_bytes * c.count, "name": c.name}
+                            for c in collectives]}
+    if args.trace:
+        report["trace"] = _trace(raw, args.trace)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    console = Console()
+    table = Table(title=f"jzero profile: {args.config}, {devices} devices, {tokens:,} tokens per step")
+    for col in ("scope", "GFLOPs per step", "share"):
+        table.add_column(col, justify="left" if col == "scope" else "right")
+    for scope, value in scopes.items():
+        table.add_row(scope, f"{value / 1e9:,.3f}", f"{value / total:.1%}")
+    table.add_row("all matmuls", f"{total / 1e9:,.3f}", "100%")
+    analytic = report["analytic_flops"]["total"]
+    table.add_row("analytic 6*params*tokens + attention", f"{analytic / 1e9:,.3f}", f"{analytic / total:.1%}")
+    console.print(table)
+    console.print(f"bytes accessed per device {nbytes / 2**20:,.1f} MiB (XLA cost analysis), arithmetic intensity "
+                  f"{report['arithmetic_intensity']:.1f} FLOP/byte, compile {compile_s:.1f} s")
+    coll = Table(title="top collectives by bytes per step (ring algorithm, per device)")
+    for col in ("kind", "dtype", "elements", "group", "per step", "MiB per step"):
+        coll.add_column(col, justify="right")
+    for c in report["top_collectives"]:
+        coll.add_row(c["kind"], c["dtype"], f"{c['elements']:,}", str(c["group_size"]), str(c["per_step"]),
+                     f"{c['ring_bytes_per_step'] / 2**20:,.3f}")
+    console.print(coll)
+    if args.trace:
+        console.print(f"trace: {report['trace']} (tensorboard --logdir {args.trace})")
+    return 0
+
+
+def _trace(raw: dict[str, Any], directory: str) -> str:
+    """Run three steps of the config under `jax.profiler.trace` into ``directory``."""
+    import jax
+    import numpy as np
+
+    import jzero
+    from jzero.config import load_config
+    from jzero.models import gpt
+
+    config = load_config(raw)
+    model_cfg = gpt.gpt_config(config.jzero.model, config.jzero.remat)
+    init_fn, loss_fn = gpt.make(model_cfg)
+    state = jzero.init(init_fn, config, loss_fn=loss_fn, rng=0)
+    tokens = np.zeros((state.config.train_batch_size, model_cfg.seq_len), np.int32)
+    batch = {"inputs": tokens, "targets": tokens}
+    state, metrics = jzero.train_step(state, batch)  # compile outside the trace
+    jax.block_until_ready(metrics)
+    with jax.profiler.trace(directory):
+        for _ in range(3):
+            state, metrics = jzero.train_step(state, batch)
+        jax.block_until_ready(metrics)
+    return directory
+
+
+def cmd_autotune(args: argparse.Namespace) -> int:
+    raw = _config_on_devices(args)
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from jzero import autotune
+    from jzero.remat import POLICIES
+
+    for name in args.remat or []:
+        if name not in POLICIES:
+            raise UsageError(f"--remat: '{name}' is not one of {', '.join(POLICIES)}")
+    budget = args.memory_budget * 2**30 if args.memory_budget else autotune.device_memory_bytes()
+    if budget is None:
+        raise UsageError("--memory-budget: required on this backend (its devices report no memory size)")
+    results = autotune.measure(raw, args.devices, stages=args.stage or autotune.STAGES,
+                               remats=args.remat or autotune.REMATS)
+    ranked = autotune.tune(raw, results, int(budget), steps=args.steps, budget_s=60 * args.budget_minutes)
+    table = Table(title=f"jzero autotune: {args.config}, {args.devices} devices, budget "
+                        f"{budget / 2**30:.3g} GiB per device")
+    for col in ("rank", "stage", "micro x accum", "remat", "peak MiB", "tokens/s", "status"):
+        table.add_column(col, justify="left" if col in ("remat", "status") else "right")
+    for row in autotune.table_rows(ranked):
+        table.add_row(*row)
+    Console().print(table)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps({"budget_bytes": budget, "results": [r.row() for r in ranked]},
+                                                 indent=2))
+    if ranked[0].status != "timed":
+        print(f"jzero: autotune: no candidate fits {budget / 2**30:.3g} GiB per device; see {out / 'results.json'}",
+              file=sys.stderr)
+        return 1
+    (out / "best.json").write_text(json.dumps(ranked[0].candidate.config(raw), indent=2))
+    print(f"jzero: best config: {out / 'best.json'} (all results: {out / 'results.json'})")
     return 0
 
 

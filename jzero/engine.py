@@ -35,6 +35,10 @@ class RunSummary:
     first_eval_loss: float = float("nan")
     eval_loss: float = float("nan")
     tokens_per_s: float = 0.0
+    samples_per_s: float = 0.0
+    step_s: float = float("nan")  # mean wall time of a training step (compile excluded)
+    model_flops_per_step: float = 0.0  # analytic model FLOPs of one step, all devices (no recompute)
+    devices: int = 1
     compile_s: float = 0.0
     memory: profile.MemoryReport | None = None  # of the compiled step, per device
     sample: str = ""
@@ -138,6 +142,11 @@ class Engine:
                 break
         if checkpointer is not None:
             checkpointer.save(self.state, force=True)
-        summary.tokens_per_s = (summary.steps - start) * tokens_per_step / max(total_time, 1e-9)
+        done_steps = summary.steps - start
+        summary.tokens_per_s = done_steps * tokens_per_step / max(total_time, 1e-9)
+        summary.samples_per_s = done_steps * cfg.train_batch_size / max(total_time, 1e-9)
+        summary.step_s = total_time / max(done_steps, 1)
+        summary.model_flops_per_step = gpt.model_flops(self.model_cfg, tokens_per_step)["total"]
+        summary.devices = self.state.plan.mesh.size
         return summary
 

@@ -62,21 +62,26 @@ class Estimate:
         }
 
 
+def compile_step(config: Config) -> tuple[Any, Any, dict, gpt.GPTConfig, float]:
+    """The config's GPT training step compiled on abstract shapes: (compiled, abstract state,
+    abstract batch, model config, compile seconds). Nothing is allocated."""
+    model_cfg = gpt.gpt_config(config.jzero.model, config.jzero.remat)
+    init_fn, loss_fn = gpt.make(model_cfg)
+    state = abstract_init(init_fn, config, loss_fn=loss_fn, mesh=make_mesh(config))
+    shape = (state.config.train_batch_size, model_cfg.seq_len)
+    batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=state.plan.batch) for k in ("inputs", "targets")}
+    t0 = time.perf_counter()
+    compiled = train_step.lower(state, batch).compile()
+    return compiled, state, batch, model_cfg, time.perf_counter() - t0
+
+
 def estimate(config: Config, stage: int | None = None) -> Estimate:
     """Compile the config's training step at ``stage`` (default: the config's) and measure it."""
     if stage is not None:
         config = dataclasses.replace(config, zero_optimization=dataclasses.replace(
             config.zero_optimization, stage=stage))
-    model_cfg = gpt.gpt_config(config.jzero.model, config.jzero.remat)
-    init_fn, loss_fn = gpt.make(model_cfg)
-    mesh = make_mesh(config)
-    state = abstract_init(init_fn, config, loss_fn=loss_fn, mesh=mesh)
-    cfg = state.config
-    shape = (cfg.train_batch_size, model_cfg.seq_len)
-    batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=state.plan.batch) for k in ("inputs", "targets")}
-    t0 = time.perf_counter()
-    compiled = train_step.lower(state, batch).compile()
-    compile_s = time.perf_counter() - t0
+    compiled, state, _, model_cfg, compile_s = compile_step(config)
+    cfg, mesh = state.config, state.plan.mesh
     mem = profile.memory(compiled)
     comm = profile.comm(compiled)
     grads = sum(profile.shard_bytes(x.shape, x.dtype, s)
@@ -89,4 +94,3 @@ def estimate(config: Config, stage: int | None = None) -> Estimate:
                     analytic=profile.analytic(mem.num_params, cfg.zero_optimization.stage,
                                               mesh.shape["fsdp"], largest_layer_params=layer),
                     compile_s=compile_s)
-

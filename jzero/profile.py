@@ -151,9 +151,8 @@ _CALLEE = re.compile(r"(?:calls|to_apply|condition|body|branch_computations|call
                      r"\{?(%[\w.\-]+(?:, ?%[\w.\-]+)*)\}?")
 
 
-def comm(compiled: Any) -> CommReport:
-    """Every collective in the partitioned HLO of ``compiled`` (or an HLO text)."""
-    text = compiled if isinstance(compiled, str) else compiled.as_text()
+def _computations(text: str) -> tuple[dict[str, list[str]], str | None]:
+    """The HLO text's instruction lines by computation name, and the ENTRY computation's name."""
     instructions: dict[str, list[str]] = defaultdict(list)
     entry, current = None, None
     for line in text.splitlines():
@@ -165,6 +164,13 @@ def comm(compiled: Any) -> CommReport:
             continue
         if current is not None and line.strip() and line.strip() != "}":
             instructions[current].append(line)
+    return instructions, entry
+
+
+def comm(compiled: Any) -> CommReport:
+    """Every collective in the partitioned HLO of ``compiled`` (or an HLO text)."""
+    text = compiled if isinstance(compiled, str) else compiled.as_text()
+    instructions, entry = _computations(text)
     counts = _execution_counts(instructions, entry)
     defs = {m.group(1): line for lines in instructions.values() for line in lines if (m := _INSTRUCTION.match(line))}
     found = []
@@ -300,11 +306,70 @@ def analytic(num_params: int, stage: int, n: int, *, largest_layer_params: int =
 
 
 def flops(compiled: Any) -> float:
-    """FLOPs per step (per device) from XLA's cost analysis."""
+    """Matmul FLOPs per step (per device): every dot and convolution of the partitioned HLO times
+    its loop trip counts. Not XLA's cost analysis alone: it counts a while-loop body once, so a
+    scanned layer stack would count as one layer (`xla_flops`)."""
+    return float(sum(matmul_flops_by_scope(compiled).values()))
+
+
+def xla_flops(compiled: Any) -> float:
+    """FLOPs per step (per device) as XLA's cost analysis reports them (loop bodies once; all ops)."""
     cost = compiled.cost_analysis()
     if isinstance(cost, (list, tuple)):
         cost = cost[0]
     return float(cost.get("flops", np.nan)) if cost else float("nan")
+
+
+SCOPES = ("embedding", "attention", "mlp", "head", "loss", "optimizer")  # jax.named_scope names
+
+
+def bytes_accessed(compiled: Any) -> float:
+    """Bytes read and written per step (per device) from XLA's cost analysis."""
+    cost = compiled.cost_analysis()
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0]
+    return float(cost.get("bytes accessed", np.nan)) if cost else float("nan")
+
+
+def matmul_flops_by_scope(compiled: Any) -> dict[str, float]:
+    """FLOPs per step (per device) of every dot and convolution in the partitioned HLO, summed
+    by the first `SCOPES` name in its ``op_name`` metadata ("other" when none), times how often
+    its computation runs (layer loops, micro-batch loops, fusions)."""
+    text = compiled if isinstance(compiled, str) else compiled.as_text()
+    instructions, entry = _computations(text)
+    counts = _execution_counts(instructions, entry)
+    shapes = {}
+    for lines in instructions.values():
+        for line in lines:
+            if m := _INSTRUCTION.match(line):
+                dims = _SHAPE.search(m.group(2))
+                shapes[m.group(1)] = [int(d) for d in dims.group(2).split(",") if d] if dims else []
+    out: dict[str, float] = defaultdict(float)
+    for comp, lines in instructions.items():
+        for line in lines:
+            m = _INSTRUCTION.match(line)
+            if not m or m.group(3) not in ("dot", "convolution"):
+                continue
+            result = shapes.get(m.group(1), [])
+            operands = re.findall(r"%([\w.\-]+)", line.split(m.group(3) + "(", 1)[1].split(")", 1)[0])
+            lhs = shapes.get(operands[0], []) if operands else []
+            contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", line)
+            k = math.prod(lhs[int(d)] for d in contracting.group(1).split(",") if d) if contracting and lhs else 1
+            name = re.search(r'op_name="([^"]*)"', line)
+            path = name.group(1).split("/") if name else []
+            scope = next((s for s in SCOPES if s in path), "other")
+            out[scope] += 2.0 * math.prod(result) * k * counts.get(comp, 0)
+    return dict(out)
+
+
+# Dense bf16 peak TFLOP/s per device, matched by substring of `jax.Device.device_kind`.
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L4": 121.0, "TPU v6": 918.0, "TPU v5p": 459.0,
+               "TPU v5": 197.0, "TPU v4": 275.0}
+
+
+def known_peak_tflops(device_kind: str) -> float | None:
+    """The device's dense bf16 peak TFLOP/s where jzero knows it (None on CPU and unknown kinds)."""
+    return next((v for k, v in PEAK_TFLOPS.items() if k in device_kind), None)
 
 
 def mfu(flops_per_step: float, step_seconds: float, peak_flops: float) -> float:

@@ -52,14 +52,8 @@ def train_step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax
     grads = _constrain(grads, plan.update)
     params = _constrain(state.params, plan.update)
     is_fused = optim.fused_backend(cfg) is not None
-    if is_fused:  # one kernel pass per shard: divides, skips and updates params and moments in place
-        params, opt_state = fused.apply(state.tx, grads, state.opt_state, params, grad_divisor=divisor,
-                                        skip=overflow, layout=plan.update)
-    else:
-        if scaler is not None or cfg.gradient_clipping > 0:
-            grads = jax.tree.map(lambda g: g / divisor.astype(g.dtype), grads)
-        updates, opt_state = state.tx.update(grads, state.opt_state, params)
-        params = optax.apply_updates(params, updates)
+    with jax.named_scope("optimizer"):
+        params, opt_state = _update(state, grads, params, divisor, overflow, is_fused)
     params = _constrain(params, plan.params)
     opt_state = _constrain(opt_state, plan.opt_state)
     loss_scale = state.loss_scale
@@ -78,6 +72,20 @@ def train_step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax
     if aux is not None:
         metrics["aux"] = aux
     return state.replace(step=state.step + 1, params=params, opt_state=opt_state, loss_scale=loss_scale), metrics
+
+
+def _update(state: TrainState, grads: Any, params: Any, divisor: jax.Array, overflow: jax.Array,
+            is_fused: bool) -> tuple[Any, Any]:
+    """(new params, new opt_state): the fused kernel (divides, skips and updates in place), or
+    the optax transformation on grads divided by ``divisor``."""
+    cfg = state.config
+    if is_fused:
+        return fused.apply(state.tx, grads, state.opt_state, params, grad_divisor=divisor, skip=overflow,
+                           layout=state.plan.update)
+    if precision.loss_scaler(cfg) is not None or cfg.gradient_clipping > 0:
+        grads = jax.tree.map(lambda g: g / divisor.astype(g.dtype), grads)
+    updates, opt_state = state.tx.update(grads, state.opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
 
 
 def _loss_and_aux(state: TrainState, params: Any, batch: Any, rng: jax.Array, scale: Any = 1.0):

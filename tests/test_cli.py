@@ -89,3 +89,27 @@ def test_estimate_1_3b_on_64_devices_matches_zero3_formula():
     assert row["stage"] == 3
     assert row["persistent_bytes_per_param"] == pytest.approx(12 / 64, rel=0.02)
     assert row["comm_elements_per_param"] == pytest.approx(3.0, rel=0.1)  # embeddings: GSPMD, ~8% of params
+
+
+def test_profile_flops_by_scope_match_the_analytic_count():
+    """`jzero profile`: the matmul FLOPs of the compiled step (layer loop trip counts applied),
+    split by named scope, equal 6 x params x tokens + attention for the GPT (remat off)."""
+    import json
+
+    from jzero.models import gpt
+
+    proc = jzero_cli("profile", str(TINY), "--json", "--devices", "4", "--set", "jzero.remat=none",
+                     "--set", "zero_optimization.stage=3", *FAST[2:], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(proc.stdout)
+    model = gpt.GPTConfig(d_model=32, d_ff=64, seq_len=16)  # FAST's overrides of the tiny GPT
+    analytic = gpt.model_flops(model, report["tokens_per_step"])
+    assert report["analytic_flops"] == analytic
+    assert report["matmul_flops"] == pytest.approx(analytic["total"], rel=0.05)
+    scopes = report["matmul_flops_by_scope"]
+    assert set(scopes) == {"attention", "mlp", "head"}
+    d, f, L, t = model.d_model, model.d_ff, model.n_layers, model.seq_len
+    tokens = report["tokens_per_step"]
+    assert scopes["mlp"] == pytest.approx(6 * L * 2 * d * f * tokens, rel=0.05)
+    assert scopes["attention"] == pytest.approx(6 * L * 4 * d * d * tokens + 12 * L * d * t * tokens, rel=0.05)
+    assert report["top_collectives"] and report["arithmetic_intensity"] > 0

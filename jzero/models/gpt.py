@@ -81,21 +81,23 @@ class Block(nn.Module):
         cfg = self.cfg
         b, t, d = x.shape
         hd = d // cfg.n_heads
-        h = nn.LayerNorm(name="ln1")(x)
-        # No qkv bias: the key bias has an exactly zero gradient (softmax is shift-invariant),
-        # so Adam would only amplify rounding noise in it.
-        qkv = checkpoint_name(nn.Dense(3 * d, use_bias=False, kernel_init=_init, name="qkv")(h), "qkv")
-        q, k, v = jnp.split(qkv.reshape(b, t, 3 * cfg.n_heads, hd), 3, axis=2)
-        if cfg.positions == "rotary":
-            q, k = _rotary(q), _rotary(k)
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / jnp.sqrt(hd).astype(jnp.float32)
-        causal = jnp.tril(jnp.ones((t, t), dtype=bool))
-        probs = jax.nn.softmax(jnp.where(causal, scores, -1e30), axis=-1).astype(v.dtype)
-        attn = checkpoint_name(jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, d), "attn_out")
-        x = x + nn.Dense(d, kernel_init=_init, name="proj")(attn)
-        h = nn.LayerNorm(name="ln2")(x)
-        h = checkpoint_name(jax.nn.gelu(nn.Dense(cfg.d_ff, kernel_init=_init, name="fc")(h)), "mlp_hidden")
-        return x + nn.Dense(d, kernel_init=_init, name="out")(h)
+        with jax.named_scope("attention"):  # scope names: `jzero profile` attributes FLOPs by them
+            h = nn.LayerNorm(name="ln1")(x)
+            # No qkv bias: the key bias has an exactly zero gradient (softmax is shift-invariant),
+            # so Adam would only amplify rounding noise in it.
+            qkv = checkpoint_name(nn.Dense(3 * d, use_bias=False, kernel_init=_init, name="qkv")(h), "qkv")
+            q, k, v = jnp.split(qkv.reshape(b, t, 3 * cfg.n_heads, hd), 3, axis=2)
+            if cfg.positions == "rotary":
+                q, k = _rotary(q), _rotary(k)
+            scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / jnp.sqrt(hd).astype(jnp.float32)
+            causal = jnp.tril(jnp.ones((t, t), dtype=bool))
+            probs = jax.nn.softmax(jnp.where(causal, scores, -1e30), axis=-1).astype(v.dtype)
+            attn = checkpoint_name(jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, d), "attn_out")
+            x = x + nn.Dense(d, kernel_init=_init, name="proj")(attn)
+        with jax.named_scope("mlp"):
+            h = nn.LayerNorm(name="ln2")(x)
+            h = checkpoint_name(jax.nn.gelu(nn.Dense(cfg.d_ff, kernel_init=_init, name="fc")(h)), "mlp_hidden")
+            return x + nn.Dense(d, kernel_init=_init, name="out")(h)
 
 
 class GPT(nn.Module):
@@ -105,19 +107,34 @@ class GPT(nn.Module):
     def __call__(self, tokens):
         cfg = self.cfg
         embed = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=_init, name="wte")
-        x = embed(tokens)
-        if cfg.positions == "learned":
-            x = x + self.param("wpe", _init, (cfg.seq_len, cfg.d_model))[: tokens.shape[1]].astype(x.dtype)
+        with jax.named_scope("embedding"):
+            x = embed(tokens)
+            if cfg.positions == "learned":
+                x = x + self.param("wpe", _init, (cfg.seq_len, cfg.d_model))[: tokens.shape[1]].astype(x.dtype)
         x = scan_layers(Block(cfg), cfg.n_layers, remat_policy=cfg.remat, name="blocks")(x)
-        x = nn.LayerNorm(name="ln_f")(x)
-        logits = embed.attend(x) if cfg.tie_embeddings else nn.Dense(cfg.vocab_size, kernel_init=_init,
-                                                                      name="head")(x)
-        return logits.astype(jnp.float32)
+        with jax.named_scope("head"):
+            x = nn.LayerNorm(name="ln_f")(x)
+            logits = embed.attend(x) if cfg.tie_embeddings else nn.Dense(cfg.vocab_size, kernel_init=_init,
+                                                                          name="head")(x)
+            return logits.astype(jnp.float32)
+
+
+def model_flops(cfg: GPTConfig, tokens: int) -> dict[str, float]:
+    """Analytic training FLOPs (forward + backward, no recompute) for ``tokens`` tokens:
+    6 x matmul params x tokens (the layers' qkv, proj, fc, out and the LM head; the embedding
+    lookup is not a matmul) and attention's score and value matmuls, 12 x layers x d_model x
+    seq_len per token (the causal mask does not save work in a dense implementation)."""
+    d, f, L = cfg.d_model, cfg.d_ff, cfg.n_layers
+    matmul_params = L * (3 * d * d + d * d + 2 * d * f) + cfg.vocab_size * d
+    dense = 6.0 * matmul_params * tokens
+    attention = 12.0 * L * d * cfg.seq_len * tokens
+    return {"dense": dense, "attention": attention, "total": dense + attention}
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
     """Mean next-token cross entropy, computed in fp32."""
-    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets).mean()
+    with jax.named_scope("loss"):
+        return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets).mean()
 
 
 def make(cfg: GPTConfig) -> tuple[Any, Any]:
