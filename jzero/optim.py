@@ -8,7 +8,8 @@ it, and later folds it into fp16 unscaling) and scales the grads before calling 
 
 Adam/AdamW run on the Pallas fused step (`jzero.fused`) when ``optimizer.params.fused`` says so:
 "auto" (default) = on GPU and TPU, off on CPU; true = on (CPU: Pallas interpret mode, slow, for
-tests); false = off. Where no Pallas backend serves the platform the XLA path runs, with a notice.
+tests); false = off. Where no Pallas backend serves the platform, or its kernel does not compile
+with the installed jax, the XLA path runs, with a one-line notice.
 """
 from __future__ import annotations
 
@@ -135,12 +136,29 @@ def fused_backend(cfg: Config, *, notice: bool = False) -> str | None:
     backend = _PLATFORM_BACKENDS.get(platform, lambda: None)()
     if backend is None and why is None:
         why = f"no Pallas backend for platform '{platform}'"
+    if why is None and backend != "interpret" and _compile_error(backend):
+        why = f"its {backend} kernel does not compile here ({_compile_error(backend)})"
     if why is not None:
         if notice:
             warnings.warn(f"optimizer.params.fused: {setting!r} but {why}; using the XLA optimizer step",
                           ConfigWarning, stacklevel=3)
         return None
     return backend
+
+
+@functools.cache
+def _compile_error(backend: str) -> str | None:
+    """Why the fused kernel does not compile for ``backend`` on this machine (None: it does).
+    Tried once per process on a small buffer, so a jax without that lowering falls back."""
+    from pallas_kernels import adamw as kernel
+
+    f32 = jax.ShapeDtypeStruct((256, 128), jnp.float32)
+    hyper = jax.ShapeDtypeStruct((kernel.HYPER_SIZE,), jnp.float32)
+    try:
+        jax.jit(functools.partial(kernel.adamw, backend=backend)).lower(hyper, f32, f32, f32, f32).compile()
+    except Exception as e:  # any lowering or compile failure means: use the XLA step
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:160]}" if str(e) else type(e).__name__
+    return None
 
 
 def _gpu_backend() -> str | None:

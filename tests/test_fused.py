@@ -155,6 +155,17 @@ def test_fused_setting_picks_the_backend():
         _config(1, "yes")
 
 
+def test_a_kernel_that_does_not_compile_falls_back_with_a_notice(monkeypatch):
+    """As on a GPU whose jax lacks the lowering: here the Triton kernel cannot compile for CPU."""
+    monkeypatch.setitem(optim._PLATFORM_BACKENDS, "cpu", lambda: "triton")
+    with pytest.warns(jzero.ConfigWarning, match=r"its triton kernel does not compile here .*using the XLA"):
+        opt = optim.build(_config(1, True))
+    assert optim.fused_backend(_config(1, True)) is None
+    params = {"w": jnp.ones((4, 128))}
+    updates, _ = opt.tx.update(params, opt.tx.init(params), params)  # the plain optax.adamw path
+    assert updates["w"].shape == (4, 128)
+
+
 @pytest.mark.parametrize("backend,platform", [("mosaic_gpu", "cuda"), ("triton", "cuda"), ("tpu", "tpu")])
 def test_gpu_and_tpu_lowerings_export(backend, platform):
     """The CI check that the accelerator kernels still lower: the fused transformation's update
