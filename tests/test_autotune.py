@@ -21,6 +21,7 @@ def test_candidates_fix_the_global_batch():
         autotune.candidates(RAW, 3)
 
 
+@pytest.mark.slow  # eight AOT compiles and four timed candidates: about a minute on 2 cores
 def test_prunes_without_running_and_picks_the_fastest(monkeypatch):
     results = autotune.measure(RAW, 8, stages=(0, 3), remats=("full",))
     peaks = {r.candidate.stage: [] for r in results}
