@@ -25,6 +25,9 @@ POLL_S = 0.1
 # gloo's connection chatter at start-up (one line per device, written from several threads at
 # once, so lines arrive in pieces): dropped from the stream
 NOISE = re.compile(r"\[Gloo\] Rank|connected peer ranks is|^\s*\d* ?peer ranks\.")
+# what is left of a split chatter line (": 7", a bare newline); dropped for ranks other than 0, which
+# print nothing of their own but errors
+FRAGMENT = re.compile(r"[\s:\d]*")
 
 
 def free_port() -> int:
@@ -44,7 +47,7 @@ def child_env(rank: int, nproc: int, port: int, devices_per_proc: int | None) ->
 
 def _stream(rank: int, pipe, sink) -> None:
     for line in iter(pipe.readline, ""):
-        if NOISE.search(line):
+        if NOISE.search(line) or (rank and FRAGMENT.fullmatch(line)):
             continue
         sink.write(f"[rank {rank}] {line}")
         sink.flush()
