@@ -233,7 +233,7 @@ class Config:
     activation_checkpointing: Optional[ActivationCheckpointingConfig] = None
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     scheduler: Optional[SchedulerConfig] = None
-    gradient_clipping: float = _auto(0.0)
+    gradient_clipping: float = _auto(1.0)  # DeepSpeed >= 0.19.3 clips at 1.0 unless told 0
     steps_per_print: int = 10
     seed: int = 42
     communication_data_type: Optional[Literal["fp32", "fp16", "bf16"]] = None

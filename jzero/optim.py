@@ -111,7 +111,7 @@ def build(cfg: Config) -> Optimizer:
     """The optax transformation and its schedules for ``cfg.optimizer`` / ``cfg.scheduler``."""
     name = canonical_name(cfg.optimizer.type)
     p = resolve_params(cfg.optimizer)
-    sched = schedules.build(cfg, p["lr"])
+    sched = schedules.build(cfg, p["lr"], cycles_betas="betas" in PARAMS[name])
     if name == "Adam" and not p["adam_w_mode"]:
         name = "AdamL2"
     hyper = _HYPER[name](p, sched)
@@ -199,23 +199,37 @@ def _adam_l2(learning_rate, b1, b2, eps, weight_decay):
                        optax.scale_by_learning_rate(learning_rate))
 
 
-def _lamb(learning_rate, b1, b2, eps, weight_decay, min_coeff, max_coeff):
-    """DeepSpeed FusedLamb: Adam direction + decay, scaled by a trust ratio clipped to [min, max]."""
-    return optax.chain(optax.scale_by_adam(b1, b2, eps), optax.add_decayed_weights(weight_decay),
-                       _scale_by_clipped_trust_ratio(min_coeff, max_coeff),
-                       optax.scale_by_learning_rate(learning_rate))
+class FusedLambState(NamedTuple):
+    count: jax.Array
+    mu: Any
+    nu: Any
 
 
-def _scale_by_clipped_trust_ratio(min_coeff: float, max_coeff: float) -> optax.GradientTransformation:
-    def update(updates, state, params):
-        def one(u, w):
+def _lamb(learning_rate, b1, b2, eps, weight_decay, min_coeff, max_coeff) -> optax.GradientTransformation:
+    """DeepSpeed's FusedLamb (``csrc/lamb/fused_lamb_cuda_kernel.cu``): uncorrected moments,
+    u = m / (sqrt(v) + eps) + decay * p, trust ratio ||p|| / ||u|| clipped to [min, max] (1 when
+    either norm is 0), and the bias corrections folded into the step size
+    lr * sqrt(1 - b2^t) / (1 - b1^t)."""
+    def init(params):
+        return FusedLambState(jnp.zeros((), jnp.int32), jax.tree.map(jnp.zeros_like, params),
+                              jax.tree.map(jnp.zeros_like, params))
+
+    def update(grads, state, params):
+        count = state.count + 1
+        mu = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, state.mu, grads)
+        nu = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * g * g, state.nu, grads)
+        t = count.astype(jnp.float32)
+        step_size = learning_rate * jnp.sqrt(1 - b2**t) / (1 - b1**t)
+
+        def one(m, v, w):
+            u = m / (jnp.sqrt(v) + eps) + weight_decay * w
             w_norm, u_norm = jnp.linalg.norm(w), jnp.linalg.norm(u)
-            ratio = jnp.where((w_norm > 0) & (u_norm > 0), w_norm / jnp.maximum(u_norm, 1e-30), 1.0)
-            return u * jnp.clip(ratio, min_coeff, max_coeff).astype(u.dtype)
+            ratio = jnp.where((w_norm > 0) & (u_norm > 0), w_norm / jnp.where(u_norm > 0, u_norm, 1.0), 1.0)
+            return -step_size * jnp.clip(ratio, min_coeff, max_coeff) * u
 
-        return jax.tree.map(one, updates, params), state
+        return jax.tree.map(one, mu, nu, params), FusedLambState(count, mu, nu)
 
-    return optax.GradientTransformation(lambda _: optax.EmptyState(), update)
+    return optax.GradientTransformation(init, update)
 
 
 def _sgd(learning_rate, momentum, weight_decay, nesterov):
@@ -223,9 +237,24 @@ def _sgd(learning_rate, momentum, weight_decay, nesterov):
                        optax.sgd(learning_rate, momentum=momentum, nesterov=nesterov))
 
 
-def _adagrad(learning_rate, eps, weight_decay, initial_accumulator_value):
-    return optax.chain(optax.add_decayed_weights(weight_decay),
-                       optax.adagrad(learning_rate, initial_accumulator_value, eps))
+class TorchAdagradState(NamedTuple):
+    sum_of_squares: Any
+
+
+def _adagrad(learning_rate, eps, weight_decay, initial_accumulator_value) -> optax.GradientTransformation:
+    """torch.optim.Adagrad (what DeepSpeed runs for "Adagrad" without offload): L2 decay added
+    to the gradient, sum += g^2, p -= lr * g / (sqrt(sum) + eps). optax.adagrad puts eps inside
+    the square root, which moves small-gradient steps by far more than rounding."""
+    def init(params):
+        return TorchAdagradState(jax.tree.map(lambda p: jnp.full_like(p, initial_accumulator_value), params))
+
+    def update(grads, state, params):
+        grads = jax.tree.map(lambda g, p: g + weight_decay * p, grads, params)
+        sums = jax.tree.map(lambda s, g: s + g * g, state.sum_of_squares, grads)
+        updates = jax.tree.map(lambda g, s: -learning_rate * g / (jnp.sqrt(s) + eps), grads, sums)
+        return updates, TorchAdagradState(sums)
+
+    return optax.GradientTransformation(init, update)
 
 
 _FACTORIES: dict[str, Callable[..., optax.GradientTransformation]] = {
@@ -243,7 +272,7 @@ _HYPER: dict[str, Callable[[Mapping[str, Any], schedules.Schedules], dict[str, A
     "AdamL2": _adam_hyper,
     "Lamb": lambda p, s: {**_adam_hyper(p, s), "min_coeff": p["min_coeff"], "max_coeff": p["max_coeff"]},
     "Lion": lambda p, s: {"learning_rate": s.lr, **_betas(p, s), "weight_decay": p["weight_decay"]},
-    "SGD": lambda p, s: {"learning_rate": s.lr, "momentum": s.momentum or p["momentum"],
+    "SGD": lambda p, s: {"learning_rate": s.lr, "momentum": p["momentum"],
                          "weight_decay": p["weight_decay"], "nesterov": p["nesterov"]},
     "Adagrad": lambda p, s: {"learning_rate": s.lr, "eps": p["eps"], "weight_decay": p["weight_decay"],
                              "initial_accumulator_value": p["initial_accumulator_value"]},

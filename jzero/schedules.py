@@ -1,20 +1,23 @@
-"""DeepSpeed's LR schedulers as optax schedules, with DeepSpeed's exact formulas.
+"""DeepSpeed's LR schedulers as optax schedules, with DeepSpeed's formulas and step alignment.
 
 Each schedule maps ``t`` -- the number of optimizer steps already taken (optax's ``count``) -- to
-the lr DeepSpeed's scheduler reports after ``t`` calls of ``step()`` from the start (its
-``get_lr()`` with ``last_batch_iteration = t``). So ``lr(0)`` is the warmup start and the lr
-column jzero logs matches DeepSpeed's ``get_last_lr()`` log line for line.
-OneCycle also cycles momentum (beta1, or SGD momentum) inversely; `build` returns it too.
+the lr optimizer step ``t`` applies, exactly as under DeepSpeed's engine: the scheduler is built
+at ``last_batch_iteration = -1`` and stepped only *after* each optimizer step, so step 0 runs
+with the value the constructor set (`INITIAL`) and step ``t >= 1`` with the formula at ``t - 1``
+(``get_lr()`` with ``last_batch_iteration = t - 1``). The ``formula`` functions below are
+``get_lr()``; `build` shifts them. OneCycle also cycles beta1 inversely (optimizers with betas;
+DeepSpeed leaves SGD's and Adagrad's momentum alone); `build` returns that schedule too.
 """
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 
-from jzero.config import AUTO, Config, ConfigError, SchedulerConfig, unknown
+from jzero.config import AUTO, Config, ConfigError, ConfigWarning, SchedulerConfig, unknown
 
 Schedule = Callable[[Any], Any]
 REQUIRED = object()  # marks a parameter without a default
@@ -98,15 +101,42 @@ def _auto(key: str, cfg: Config, base_lr: float) -> Any:
     raise ConfigError(f"scheduler.params.{key}: 'auto' has no source in jzero; set a number")
 
 
-def build(cfg: Config, base_lr: float) -> Schedules:
-    """The lr (and momentum) schedule for ``cfg.scheduler``; constant ``base_lr`` when absent."""
+def build(cfg: Config, base_lr: float, *, cycles_betas: bool = True) -> Schedules:
+    """The lr (and beta1) applied at each optimizer step for ``cfg.scheduler``; constant
+    ``base_lr`` when absent. ``cycles_betas``: the optimizer has betas for OneCycle to cycle."""
     if cfg.scheduler is None:
         return Schedules(lambda t: jnp.asarray(base_lr, jnp.float32), None)
     name = canonical_name(cfg.scheduler.type)
     p = resolve_params(cfg.scheduler, cfg, base_lr)
     if p.get("warmup_max_lr", 0) is None:
         p["warmup_max_lr"] = base_lr
-    return _BUILDERS[name](p, base_lr)
+    formula = _BUILDERS[name](p, base_lr)
+    momentum = None
+    if formula.momentum is not None and cycles_betas:
+        momentum = _after_each_step(formula.momentum, formula.momentum0)
+    elif formula.momentum is not None:
+        warnings.warn(f"scheduler.params.cycle_momentum: {cfg.optimizer.type} has no betas; as in DeepSpeed, "
+                      "OneCycle cycles the lr only", ConfigWarning, stacklevel=3)
+    return Schedules(_after_each_step(formula.lr, formula.lr0), momentum)
+
+
+def _after_each_step(formula: Schedule, initial: float) -> Schedule:
+    """DeepSpeed's alignment: step 0 applies the constructor's value, step t the formula at t-1."""
+    def applied(t):
+        t = jnp.asarray(t, jnp.float32)
+        return jnp.where(t < 1, jnp.float32(initial), formula(jnp.maximum(t - 1, 0.0)))
+
+    return applied
+
+
+class _Formula(NamedTuple):
+    """A scheduler's ``get_lr()`` (and momentum) as a function of ``last_batch_iteration``, and
+    the values its constructor writes into the optimizer (``last_batch_iteration = -1``)."""
+
+    lr: Schedule
+    lr0: float
+    momentum: Schedule | None = None
+    momentum0: float | None = None
 
 
 def _warmup_gamma(t: Any, warmup: int, kind: str) -> Any:
@@ -127,7 +157,7 @@ def _warmup_lr(p: Mapping[str, Any], _base: float) -> Schedules:
         gamma = jnp.where(t < warmup, _warmup_gamma(t, warmup, p["warmup_type"]), after)
         return lo + (hi - lo) * gamma
 
-    return Schedules(lr, None)
+    return _Formula(lr, lo)
 
 
 def _warmup_cosine_lr(p: Mapping[str, Any], base: float) -> Schedules:
@@ -138,10 +168,12 @@ def _warmup_cosine_lr(p: Mapping[str, Any], base: float) -> Schedules:
         t = jnp.asarray(t, jnp.float32)
         warm = wmin + _warmup_gamma(t, warmup, p["warmup_type"]) * (1.0 - wmin)
         progress = jnp.minimum(1.0, (t - warmup + 1) / max(1, total - warmup))
-        cos = jnp.maximum(0.0, cmin + (1.0 - cmin) * (1 + jnp.cos(math.pi * progress)) / 2)
+        # (1 + cos(pi p)) / 2 written as cos(pi p / 2)^2: no cancellation near the end, where
+        # the ratio is small and float32 would otherwise lose ~7 ulps against DeepSpeed's float64.
+        cos = jnp.maximum(0.0, cmin + (1.0 - cmin) * jnp.cos(0.5 * math.pi * progress) ** 2)
         return base * jnp.where(t < warmup, warm, cos)
 
-    return Schedules(lr, None)
+    return _Formula(lr, 0.0)  # DeepSpeed's constructor sets 0.0, whatever warmup_min_ratio is
 
 
 def _one_cycle(p: Mapping[str, Any], _base: float) -> Schedules:
@@ -188,7 +220,9 @@ def _one_cycle(p: Mapping[str, Any], _base: float) -> Schedules:
         after = hi if f is None else hi * f
         return jnp.where(t < total, cyc, after)
 
-    return Schedules(lr, momentum if p["cycle_momentum"] else None)
+    if not p["cycle_momentum"]:
+        return _Formula(lr, p["cycle_min_lr"])
+    return _Formula(lr, p["cycle_min_lr"], momentum, p["cycle_min_mom"])
 
 
 def _lr_range_test(p: Mapping[str, Any], _base: float) -> Schedules:
@@ -200,10 +234,10 @@ def _lr_range_test(p: Mapping[str, Any], _base: float) -> Schedules:
             interval = jnp.floor(interval)
         return lo * (1 + rate * interval)
 
-    return Schedules(lr, None)
+    return _Formula(lr, lo)
 
 
-_BUILDERS: dict[str, Callable[[Mapping[str, Any], float], Schedules]] = {
+_BUILDERS: dict[str, Callable[[Mapping[str, Any], float], _Formula]] = {
     "WarmupLR": _warmup_lr,
     "WarmupDecayLR": _warmup_lr,
     "WarmupCosineLR": _warmup_cosine_lr,

@@ -4,10 +4,11 @@ independently of jzero/schedules.py)."""
 import json
 import math
 
+import jax.numpy as jnp
 import pytest
 
 import jzero
-from jzero import schedules
+from jzero import optim, schedules
 from jzero.config import ConfigError, ConfigWarning
 
 
@@ -125,7 +126,9 @@ def test_full_deepspeed_config_loads_and_warns_about_noops(tmp_path):
     assert cfg.zero_optimization.stage3_prefetch_bucket_size == int(0.9 * h * h)
     assert cfg.zero_optimization.stage3_param_persistence_threshold == 10 * h
     sched = schedules.build(cfg, 2e-4)
-    assert float(sched.lr(10)) == pytest.approx(2e-4 * (500 - 10) / (500 - 10))  # auto: max <- lr, T <- steps
+    # auto: max <- lr, T <- steps. Probe inside the decay (at the warmup's end the factor is 1 for any T):
+    # optimizer step 201 applies get_lr(200) = max * (T - 200) / (T - W).
+    assert float(sched.lr(201)) == pytest.approx(2e-4 * (500 - 200) / (500 - 10), rel=1e-6)
     assert cfg.to_dict()["optimizer"]["params"]["lr"] == 2e-4
 
 
@@ -186,44 +189,67 @@ def ds_lr_range_test(t, lo=1e-3, size=2000, rate=1.0, staircase=False):
 
 
 W, T, BASE = 100, 400, 3e-4
+# (type, params, get_lr formula, the value DeepSpeed's constructor writes into the optimizer)
 SCHEDULES = [
-    ("WarmupLR", {"warmup_num_steps": W}, lambda t: ds_warmup_lr(t, hi=BASE, w=W)),
+    ("WarmupLR", {"warmup_num_steps": W}, lambda t: ds_warmup_lr(t, hi=BASE, w=W), 0.0),
     ("WarmupLR", {"warmup_min_lr": 1e-5, "warmup_max_lr": 1e-3, "warmup_num_steps": W, "warmup_type": "linear"},
-     lambda t: ds_warmup_lr(t, 1e-5, 1e-3, W, "linear")),
+     lambda t: ds_warmup_lr(t, 1e-5, 1e-3, W, "linear"), 1e-5),
     ("WarmupDecayLR", {"total_num_steps": T, "warmup_num_steps": W},
-     lambda t: ds_warmup_decay_lr(t, T, w=W)),
+     lambda t: ds_warmup_decay_lr(t, T, w=W), 0.0),
     ("WarmupDecayLR", {"total_num_steps": T, "warmup_num_steps": W, "warmup_type": "linear", "warmup_min_lr": 1e-4},
-     lambda t: ds_warmup_decay_lr(t, T, lo=1e-4, w=W, kind="linear")),
+     lambda t: ds_warmup_decay_lr(t, T, lo=1e-4, w=W, kind="linear"), 1e-4),
     ("WarmupCosineLR", {"total_num_steps": T, "warmup_num_steps": W},
-     lambda t: ds_warmup_cosine_lr(t, BASE, T, w=W)),
+     lambda t: ds_warmup_cosine_lr(t, BASE, T, w=W), 0.0),
     ("WarmupCosineLR", {"total_num_steps": T, "warmup_num_steps": W, "warmup_min_ratio": 0.1,
                         "cos_min_ratio": 0.05, "warmup_type": "linear"},
-     lambda t: ds_warmup_cosine_lr(t, BASE, T, 0.1, W, 0.05, "linear")),
+     lambda t: ds_warmup_cosine_lr(t, BASE, T, 0.1, W, 0.05, "linear"), 0.0),  # 0, not 0.1 x base
     ("OneCycle", {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3, "cycle_first_step_size": W},
-     lambda t: ds_one_cycle_lr(t, 1e-4, 1e-3, W)),
+     lambda t: ds_one_cycle_lr(t, 1e-4, 1e-3, W), 1e-4),
     ("OneCycle", {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3, "cycle_first_step_size": W,
                   "cycle_second_step_size": 2 * W, "decay_lr_rate": 0.5, "decay_step_size": 10},
-     lambda t: ds_one_cycle_lr(t, 1e-4, 1e-3, W, 2 * W, 0.5, 10)),
+     lambda t: ds_one_cycle_lr(t, 1e-4, 1e-3, W, 2 * W, 0.5, 10), 1e-4),
     ("LRRangeTest", {"lr_range_test_min_lr": 1e-4, "lr_range_test_step_size": W},
-     lambda t: ds_lr_range_test(t, 1e-4, W)),
+     lambda t: ds_lr_range_test(t, 1e-4, W), 1e-4),
     ("LRRangeTest", {"lr_range_test_min_lr": 1e-4, "lr_range_test_step_size": W, "lr_range_test_step_rate": 3.0,
                      "lr_range_test_staircase": True},
-     lambda t: ds_lr_range_test(t, 1e-4, W, 3.0, True)),
+     lambda t: ds_lr_range_test(t, 1e-4, W, 3.0, True), 1e-4),
 ]
 
 
-@pytest.mark.parametrize("name,params,formula", SCHEDULES, ids=[f"{n}-{i}" for i, (n, _, _) in enumerate(SCHEDULES)])
-def test_scheduler_matches_deepspeed(name, params, formula):
+@pytest.mark.parametrize("name,params,formula,initial", SCHEDULES,
+                         ids=[f"{n}-{i}" for i, (n, *_) in enumerate(SCHEDULES)])
+def test_each_step_applies_the_value_deepspeed_applies(name, params, formula, initial):
+    """DeepSpeed steps its scheduler after each optimizer step: step 0 runs with the constructor's
+    value, step t with get_lr() at t-1 (measured against DeepSpeed itself: tests/golden)."""
     cfg = jzero.load_config({"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": BASE}},
                              "scheduler": {"type": name, "params": params}}, dp_size=8)
     lr = schedules.build(cfg, BASE).lr
-    for t in (0, 1, W // 2, W - 1, W, W + 1, (W + T) // 2, T - 1, T, T + 50):
-        assert float(lr(t)) == pytest.approx(formula(t), rel=1e-5, abs=1e-12), t
+    assert float(lr(0)) == pytest.approx(initial, rel=1e-6, abs=1e-12)
+    for t in (1, 2, W // 2, W - 1, W, W + 1, W + 2, (W + T) // 2, T - 1, T, T + 1, T + 50):
+        assert float(lr(t)) == pytest.approx(formula(t - 1), rel=1e-5, abs=1e-12), t
+    # Negative control: one step ahead (formula(t) at step t) is told apart where the lr moves.
+    assert float(lr(W - 1)) != pytest.approx(formula(W - 1), rel=1e-3)
 
 
-def test_one_cycle_cycles_beta1_inversely():
+def test_one_cycle_cycles_beta1_inversely_one_step_behind():
     cfg = jzero.load_config({"train_batch_size": 8, "scheduler": {"type": "OneCycle", "params": {
-        "cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3, "cycle_first_step_size": 10}}}, dp_size=8)
-    mom = schedules.build(cfg, 1e-3).momentum
-    assert float(mom(9)) == pytest.approx(0.8)  # peak lr <-> lowest momentum
-    assert float(mom(19)) == pytest.approx(0.9, abs=1e-6)
+        "cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3, "cycle_first_step_size": 10, "cycle_min_mom": 0.85}}},
+        dp_size=8)
+    sched = schedules.build(cfg, 1e-3)
+    assert float(sched.momentum(0)) == pytest.approx(0.85)  # the constructor's cycle_min_mom
+    assert float(sched.momentum(1)) == pytest.approx(0.9 - 0.05 / 10, abs=1e-6)  # formula(0): one step up
+    assert float(sched.momentum(10)) == pytest.approx(0.85) and float(sched.lr(10)) == pytest.approx(1e-3)
+    assert float(sched.momentum(20)) == pytest.approx(0.9, abs=1e-6)
+
+
+def test_one_cycle_leaves_momentum_of_optimizers_without_betas_alone():
+    """DeepSpeed disables cycle_momentum for torch SGD (no betas) with a warning; so does jzero."""
+    cfg = jzero.load_config({"train_batch_size": 8, "optimizer": {"type": "SGD", "params": {"momentum": 0.5}},
+                             "scheduler": {"type": "OneCycle", "params": {
+                                 "cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3, "cycle_first_step_size": 10}}},
+                            dp_size=8)
+    with pytest.warns(ConfigWarning, match="cycle_momentum: SGD has no betas"):
+        opt = optim.build(cfg)
+    assert opt.schedules.momentum is None
+    state = opt.tx.init({"w": jnp.zeros(3)})
+    assert float(state.hyperparams["momentum"]) == 0.5

@@ -52,6 +52,7 @@ def config(stage, accum):
         "train_batch_size": BATCH, "gradient_accumulation_steps": accum,
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD, "eps": EPS}},
+        "gradient_clipping": 0.0,  # the plain loop does not clip (DeepSpeed's default would: 1.0)
     })
 
 
@@ -152,7 +153,8 @@ def test_hpz_shards_inside_groups_of_4_and_trains_like_fsdp_8():
     cfg = jzero.load_config({
         "train_batch_size": BATCH, "zero_optimization": {
             "stage": 3, "stage3_param_persistence_threshold": 0, "zero_hpz_partition_size": 4},
-        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD, "eps": EPS}}})
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD, "eps": EPS}},
+        "gradient_clipping": 0.0})
     state = jzero.init(init_fn, cfg, loss_fn=loss_fn, rng=jax.random.key(0), mesh=jzero.make_mesh(cfg))
     assert dict(state.plan.mesh.shape) == {"replica": 2, "fsdp": 4}
     batches = make_batches()
