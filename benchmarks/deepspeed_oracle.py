@@ -71,26 +71,32 @@ def load_golden(path: str | os.PathLike) -> dict:
 # jzero's side
 # --------------------------------------------------------------------------------------------
 def jzero_model(config: dict):
-    """(cfg, init_fn, loss_fn, seq_len) for ``config`` on its mesh."""
+    """(resolved config, `jzero.models.Model`) for ``config``."""
     import jzero
-    from jzero.models import gpt
+    from jzero import models
 
     cfg = jzero.load_config({k: v for k, v in config.items() if k != "oracle"})
-    model = gpt.gpt_config(cfg.jzero.model, cfg.jzero.remat)
-    init_fn, loss_fn = gpt.make(model)
-    return cfg, init_fn, loss_fn, model.seq_len
+    return cfg, models.build(cfg)
+
+
+def initial_state(config: dict):
+    """jzero's initial TrainState for ``config`` (params from the config's seed) on its mesh."""
+    import jax
+
+    import jzero
+
+    cfg, model = jzero_model(config)
+    return jzero.init(model.init_fn, cfg, loss_fn=model.loss_fn, rng=jax.random.key(cfg.seed),
+                      mesh=jzero.make_mesh(cfg))
 
 
 def initial_params(config: dict) -> dict[str, np.ndarray]:
     """jzero's initial params for ``config`` as host arrays named like ``blocks.stacked.qkv.kernel``."""
     import jax
 
-    import jzero
     from jzero import treepath
 
-    cfg, init_fn, loss_fn, _ = jzero_model(config)
-    state = jzero.init(init_fn, cfg, loss_fn=loss_fn, rng=jax.random.key(cfg.seed), mesh=jzero.make_mesh(cfg))
-    named = treepath.named_leaves(jax.device_get(state.params))
+    named = treepath.named_leaves(jax.device_get(initial_state(config).params))
     return {name.replace("/", "."): np.asarray(x, np.float32) for name, x in named.items()}
 
 
@@ -101,8 +107,8 @@ def replay(config: dict, tokens: np.ndarray) -> list[dict]:
 
     import jzero
 
-    cfg, init_fn, loss_fn, _ = jzero_model(config)
-    state = jzero.init(init_fn, cfg, loss_fn=loss_fn, rng=jax.random.key(cfg.seed), mesh=jzero.make_mesh(cfg))
+    state = initial_state(config)
+    cfg = state.config
     cycles = cfg.scheduler is not None and cfg.scheduler.type.lower() == "onecycle"
     records = []
     for rows in tokens:
@@ -132,7 +138,8 @@ def torch_gpt(params: dict[str, np.ndarray], model: dict):
         def __init__(self):
             super().__init__()
             for name in sorted(params):  # direct params: ZeRO-3 gathers a module's own params
-                self.register_parameter(name.replace(".", "__"), torch.nn.Parameter(torch.from_numpy(params[name].copy())))
+                weight = torch.nn.Parameter(torch.from_numpy(params[name].copy()))
+                self.register_parameter(name.replace(".", "__"), weight)
 
         def p(self, name):
             return getattr(self, name.replace(".", "__"))
@@ -248,12 +255,12 @@ def comparison_table(name: str, jz: list[dict], ds: list[dict]) -> str:
     lines = [f"{name}: jzero vs DeepSpeed, per step (relative differences)",
              f"{'step':>4} {'ds loss':>10} {'jz loss':>10} {'loss rel':>9} {'ds lr':>11} {'lr rel':>8} "
              f"{'norm rel':>9} {'beta1 rel':>9}"]
-    for t, (a, b) in enumerate(zip(jz, ds)):
+    for t, (a, b) in enumerate(zip(jz, ds, strict=True)):
         cells = [relative(a[k], b[k]) for k in ("loss", "lr", "grad_norm", "beta1")]
         shown = ["-" if c is None else f"{c:.1e}" for c in cells]
         lines.append(f"{t:>4} {b['loss']:>10.6f} {a['loss']:>10.6f} {shown[0]:>9} {b['lr']:>11.4e} {shown[1]:>8} "
                      f"{shown[2]:>9} {shown[3]:>9}")
-    worst = {k: max((relative(a[k], b[k]) or 0.0) for a, b in zip(jz, ds)) for k in FIELDS}
+    worst = {k: max((relative(a[k], b[k]) or 0.0) for a, b in zip(jz, ds, strict=True)) for k in FIELDS}
     lines.append("max relative difference: " + ", ".join(f"{k} {v:.2e}" for k, v in worst.items()))
     return "\n".join(lines)
 
@@ -265,14 +272,12 @@ def record(config_path: Path, out: Path | None) -> dict:
     except ImportError as e:
         raise SystemExit(f"deepspeed_oracle: {e.name} is not installed; see the README section "
                          "'Checked against DeepSpeed itself' for the install command") from None
-    from jzero.models import gpt
-
     config = json.loads(config_path.read_text())
     mesh = config.setdefault("jzero", {}).setdefault("mesh", {})
     if mesh.setdefault("devices", RANKS) != RANKS:
         raise SystemExit(f"{config_path}: jzero.mesh.devices must be {RANKS} (DeepSpeed runs {RANKS} ranks)")
-    cfg, _, _, seq_len = jzero_model(config)
-    model = gpt.gpt_config(cfg.jzero.model, cfg.jzero.remat)
+    cfg, built = jzero_model(config)
+    model, seq_len = built.spec, built.spec.seq_len
     if model.positions != "learned" or not model.tie_embeddings or model.vocab_size > 256:
         raise SystemExit(f"{config_path}: the oracle's torch GPT has learned positions, tied embeddings and "
                          "a vocabulary of at most 256 tokens")

@@ -135,7 +135,7 @@ def check(backend: str, shapes: dict) -> dict:
 
 def accelerator_backend() -> str | None:
     platform = jax.default_backend()
-    return None if platform == "cpu" else optim._PLATFORM_BACKENDS.get(platform, lambda: None)()
+    return None if platform == "cpu" else optim.pallas_backend(platform)
 
 
 def _attempt(fn, *args, **kwargs):

@@ -23,7 +23,8 @@ from pathlib import Path  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P
 
 import jzero  # noqa: E402
 from jzero import profile  # noqa: E402
@@ -110,7 +111,8 @@ def run(sizes: list[str], device_counts: list[int]) -> list[dict]:
                 row["step_time_ratio"] = row["step_s"] / base
                 rows.append(row)
                 print(f"{name:8s} {n} dev ZeRO-{stage}: {row['persistent_bytes_per_param']:6.3f} B/param "
-                      f"(formula {row['analytic_bytes_per_param']:.3f}), comm {row['comm_elements_per_param']:.2f} Psi, "
+                      f"(formula {row['analytic_bytes_per_param']:.3f}), "
+                      f"comm {row['comm_elements_per_param']:.2f} Psi, "
                       f"step x{row['step_time_ratio']:.2f} vs jit+optax", flush=True)
     return rows
 

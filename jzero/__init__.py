@@ -1,15 +1,36 @@
-"""jzero: DeepSpeed's training engine on JAX/XLA. ZeRO stages 0-3 are sharding rules."""
-from jzero.adapters import from_linen, from_nnx
-from jzero.checkpoint import CheckpointError, CheckpointMismatchError, Checkpointer, CheckpointWarning
-from jzero.config import Config, ConfigError, ConfigWarning, load_config
-from jzero.export import export, load_params
-from jzero.mesh import make_mesh
-from jzero.sharding import Plan
-from jzero.state import TrainState, abstract_init, init
-from jzero.step import train_step
+"""jzero: DeepSpeed's training engine on JAX/XLA. ZeRO stages 0-3 are sharding rules.
+
+The public names are loaded on first use (PEP 562), so ``import jzero.config`` (or a CLI
+command that only reads a config) does not pull in Orbax, Flax and the kernels.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = ["CheckpointError", "CheckpointMismatchError", "CheckpointWarning", "Checkpointer", "Config", "ConfigError",
-           "ConfigWarning", "Plan", "TrainState", "abstract_init", "export", "from_linen", "from_nnx", "init",
-           "load_config", "load_params", "make_mesh", "train_step", "__version__"]
+_EXPORTS = {
+    "from_linen": "jzero.adapters", "from_nnx": "jzero.adapters",
+    "CheckpointError": "jzero.checkpoint", "CheckpointMismatchError": "jzero.checkpoint",
+    "Checkpointer": "jzero.checkpoint", "CheckpointWarning": "jzero.checkpoint",
+    "Config": "jzero.config", "ConfigError": "jzero.config", "ConfigWarning": "jzero.config",
+    "load_config": "jzero.resolve",
+    "export": "jzero.export", "load_params": "jzero.export",
+    "make_mesh": "jzero.mesh", "Plan": "jzero.sharding",
+    "TrainState": "jzero.state", "abstract_init": "jzero.state", "init": "jzero.state",
+    "train_step": "jzero.step",
+}
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'jzero' has no attribute '{name}'")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

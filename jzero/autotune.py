@@ -21,11 +21,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from jzero import profile
-from jzero.config import ConfigError, load_config
+from jzero import models, profile
+from jzero.config import ConfigError
 from jzero.estimate import compile_step
-from jzero.models import gpt
 from jzero.mesh import make_mesh
+from jzero.resolve import load_config
 from jzero.state import init
 
 REMATS = ("none", "dots", "full")
@@ -115,29 +115,22 @@ def tune(raw: dict[str, Any], results: list[Result], budget_bytes: int, *, steps
             r.status, r.why = "untimed", "time budget spent"
             continue
         r.step_s = time_candidate(r.candidate.config(raw), r.compiled, r.abstract, steps)
-        r.tokens_per_s = _tokens(load_config(r.candidate.config(raw))) / r.step_s
+        config = r.abstract.config
+        r.tokens_per_s = config.train_batch_size * models.build(config).tokens_per_example / r.step_s
         r.status = "timed"
     order = {"timed": 0, "untimed": 1, "pruned": 2, "failed": 3}
     return sorted(results, key=lambda r: (order[r.status], -r.tokens_per_s, r.peak_bytes))
 
 
-def _tokens(config) -> int:
-    return config.train_batch_size * gpt.gpt_config(config.jzero.model, config.jzero.remat).seq_len
-
-
 def time_candidate(raw: dict[str, Any], compiled: Any, abstract: Any, steps: int) -> float:
     """Median seconds of one training step of ``raw`` through its ``compiled`` executable, on
-    random tokens (the data does not change the time). The real state takes the static fields of
+    the model's example batch (the data does not change the time). The real state takes the static fields of
     the ``abstract`` one the executable was compiled for."""
     config = load_config(raw)
-    model_cfg = gpt.gpt_config(config.jzero.model, config.jzero.remat)
-    init_fn, loss_fn = gpt.make(model_cfg)
-    real = init(init_fn, config, loss_fn=loss_fn, rng=0, mesh=make_mesh(config))
+    model = models.build(config)
+    real = init(model.init_fn, config, loss_fn=model.loss_fn, rng=0, mesh=make_mesh(config))
     state = jax.tree.unflatten(jax.tree.structure(abstract), jax.tree.leaves(real))
-    rng = np.random.default_rng(0)
-    shape = (state.config.train_batch_size, model_cfg.seq_len)
-    batch = {k: jax.device_put(rng.integers(0, model_cfg.vocab_size, shape).astype(np.int32), state.plan.batch)
-             for k in ("inputs", "targets")}
+    batch = jax.device_put(model.example_batch(state.config.train_batch_size), state.plan.batch)
     times = []
     for i in range(steps + 1):
         t = time.perf_counter()

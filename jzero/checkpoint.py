@@ -1,4 +1,4 @@
-"""`Checkpointer`: layout-free Orbax checkpoints of a `TrainState` (DESIGN §6).
+"""`Checkpointer`: layout-free Orbax checkpoints of a `TrainState` (docs/design.md, "Checkpoints").
 
 A checkpoint holds global arrays, not shards: it restores onto whatever mesh and ZeRO stage the
 *target* state was built for (8 devices at stage 3 -> 2 devices at stage 1 -> one CPU). Each step
@@ -242,7 +242,7 @@ class Checkpointer:
                                                           sharding=x.sharding) for n, x in wanted.items()})
         named = treepath.named_leaves(self._load(step, abstract, ocp.checkpoint_utils.construct_restore_args(abstract)))
         sums = jax.device_get(_checksums([named[n] for n in wanted]))
-        for name, value in zip(wanted, sums):
+        for name, value in zip(wanted, sums, strict=True):
             if int(value) != record["leaves"][name]["checksum"]:
                 raise _Unreadable(f"{name} does not match its checksum (a file was edited or damaged)")
         return _assemble(target, {n: named[n].astype(wanted[n].dtype) for n in wanted}, keep_scale,
@@ -302,7 +302,7 @@ def _record(state: Any, named: dict[str, jax.Array], sums: Sequence[Any], data_p
         dtypes[str(x.dtype)] = dtypes.get(str(x.dtype), 0) + int(np.prod(x.shape))
     return {
         "format": FORMAT, "format_version": FORMAT_VERSION, "jzero_version": __version__,
-        "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "saved_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "step": int(state.step),
         "mesh": {"shape": {k: int(v) for k, v in plan.mesh.shape.items()}, "devices": int(plan.mesh.size),
                  "platform": plan.mesh.devices.flat[0].platform},
@@ -313,7 +313,7 @@ def _record(state: Any, named: dict[str, jax.Array], sums: Sequence[Any], data_p
         "data_position": data_position, "seed": config.seed,
         "config": config.to_dict(), "config_source": dict(config.source),
         "leaves": {name: {"shape": list(x.shape), "dtype": str(x.dtype), "checksum": int(s)}
-                   for (name, x), s in zip(named.items(), sums)},
+                   for (name, x), s in zip(named.items(), sums, strict=True)},
     }
 
 

@@ -1,10 +1,13 @@
-"""Typed, frozen configuration with DeepSpeed's key names and semantics.
+"""Typed, frozen configuration with DeepSpeed's key names: the schema and its parser.
 
-`load_config` accepts a DeepSpeed ``ds_config.json`` (path or dict). Every key is checked against
-the dataclasses below: an unknown key, a wrong type or an out-of-range value raises `ConfigError`
-with the dotted key path and what would be valid. jzero's own keys live under ``"jzero"``.
-The batch rule (micro x accum x dp = train) is resolved against the data-parallel size of the
-mesh the config will run on, and re-resolved by `Config.for_dp` when the mesh differs.
+The bottom of jzero's import graph: this module imports no other jzero module, so every module
+can read a `Config` and raise `ConfigError` without pulling anything else in. `parse_config`
+turns a DeepSpeed ``ds_config`` dict into the dataclasses below: an unknown key or a wrong type
+raises `ConfigError` with the dotted key path and what would be valid; the batch rule (micro x
+accum x dp = train) is resolved against a data-parallel size and re-resolved by `Config.for_dp`
+when the mesh differs. What DeepSpeed features jzero refuses, value ranges, and the sections
+owned by other modules (optimizer, scheduler, remat, model) are checked above this module, by
+`jzero.resolve.load_config`, the public entry point.
 """
 from __future__ import annotations
 
@@ -14,10 +17,9 @@ import json
 import os
 import types
 import typing
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 AUTO = "auto"
 
@@ -53,7 +55,7 @@ def _auto(default: Any = None, **kw: Any) -> Any:
 class OffloadConfig:
     device: Literal["none", "cpu", "nvme"] = "none"
     pin_memory: bool = False
-    nvme_path: Optional[str] = None
+    nvme_path: str | None = None
     buffer_count: int = 4
     fast_init: bool = False
     ratio: float = 1.0
@@ -66,7 +68,7 @@ class ZeroConfig:
     stage: Literal[0, 1, 2, 3] = 0
     stage3_param_persistence_threshold: int = _auto(100_000)
     zero_hpz_partition_size: int = 1
-    overlap_comm: Optional[bool] = None
+    overlap_comm: bool | None = None
     contiguous_gradients: bool = True
     reduce_scatter: bool = True
     reduce_bucket_size: int = _auto(500_000_000)
@@ -119,7 +121,7 @@ class ActivationCheckpointingConfig:
     partition_activations: bool = False
     cpu_checkpointing: bool = False
     contiguous_memory_optimization: bool = False
-    number_checkpoints: Optional[int] = None
+    number_checkpoints: int | None = None
     synchronize_checkpoint_boundary: bool = False
     profile: bool = False
 
@@ -157,24 +159,24 @@ class MeshConfig:
     """Mesh shape. ``devices``: how many devices to use (default: all); ``fsdp``: ZeRO shard
     group size (default: ``zero_hpz_partition_size`` when > 1, else all devices)."""
 
-    devices: Optional[int] = None
-    fsdp: Optional[int] = None
+    devices: int | None = None
+    fsdp: int | None = None
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     """Reference model for the CLI. ``size`` picks a preset; other keys override it."""
 
-    name: Literal["gpt"] = "gpt"
+    name: str = "gpt"  # a key of jzero.models.MODELS
     size: str = "tiny"
-    vocab_size: Optional[int] = None
-    seq_len: Optional[int] = None
-    d_model: Optional[int] = None
-    n_layers: Optional[int] = None
-    n_heads: Optional[int] = None
-    d_ff: Optional[int] = None
-    positions: Optional[Literal["learned", "rotary"]] = None
-    tie_embeddings: Optional[bool] = None
+    vocab_size: int | None = None
+    seq_len: int | None = None
+    d_model: int | None = None
+    n_layers: int | None = None
+    n_heads: int | None = None
+    d_ff: int | None = None
+    positions: Literal["learned", "rotary"] | None = None
+    tie_embeddings: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -182,7 +184,7 @@ class DataConfig:
     """Training data: ``path`` is a text file/folder or a token file (.npy / .bin); none = the
     bundled corpus (the Python standard library's sources, byte level)."""
 
-    path: Optional[str] = None
+    path: str | None = None
     dtype: Literal["uint8", "uint16", "int32"] = "uint16"
     heldout_fraction: float = 0.05
     max_bytes: int = 4_000_000
@@ -200,7 +202,7 @@ class CheckpointConfig:
     """``jzero.checkpoint``: `jzero train` saves to ``OUT/checkpoints`` every ``interval`` steps
     (None: only at the end of the run and on SIGTERM/SIGINT), keeping the newest ``max_to_keep``."""
 
-    interval: Optional[int] = None
+    interval: int | None = None
     max_to_keep: int = 3
     async_save: bool = True
 
@@ -211,7 +213,7 @@ class JzeroConfig:
 
     mesh: MeshConfig = field(default_factory=MeshConfig)
     remat: str = "full"
-    compute_dtype: Optional[Literal["fp32", "bf16", "fp16"]] = None
+    compute_dtype: Literal["fp32", "bf16", "fp16"] | None = None
     max_loss_scale: float = 2.0**24
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -230,13 +232,13 @@ class Config:
     bf16: BF16Config = field(default_factory=BF16Config)
     fp16: FP16Config = field(default_factory=FP16Config)
     data_types: DataTypesConfig = field(default_factory=DataTypesConfig)
-    activation_checkpointing: Optional[ActivationCheckpointingConfig] = None
+    activation_checkpointing: ActivationCheckpointingConfig | None = None
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    scheduler: Optional[SchedulerConfig] = None
+    scheduler: SchedulerConfig | None = None
     gradient_clipping: float = _auto(1.0)  # DeepSpeed >= 0.19.3 clips at 1.0 unless told 0
     steps_per_print: int = 10
     seed: int = 42
-    communication_data_type: Optional[Literal["fp32", "fp16", "bf16"]] = None
+    communication_data_type: Literal["fp32", "fp16", "bf16"] | None = None
     prescale_gradients: bool = False
     gradient_predivide_factor: float = 1.0
     wall_clock_breakdown: bool = False
@@ -268,60 +270,41 @@ class Config:
         return out
 
 
-# --------------------------------------------------------------------------------------------
-# DeepSpeed features jzero refuses (they change what is trained or where memory lives) and
-# diagnostics keys it accepts as no-ops (warned once).
-# --------------------------------------------------------------------------------------------
-UNSUPPORTED_SECTIONS = {
-    "pipeline": "pipeline parallelism is not implemented; jzero shards with ZeRO over the mesh",
-    "moe": "mixture-of-experts layers are not implemented",
-    "sparse_attention": "DeepSpeed sparse attention kernels are not implemented",
-    "amp": "NVIDIA apex AMP does not exist in JAX; use the bf16 or fp16 section",
-    "compression_training": "compression training is not implemented",
-    "curriculum_learning": "curriculum learning is not implemented",
-    "data_efficiency": "data-efficiency sampling is not implemented",
-    "elasticity": "elastic training is not implemented; checkpoints restore onto any mesh instead",
-    "aio": "NVMe offload (aio) is not implemented",
-    "wandb": "Weights & Biases monitoring is not implemented; use tensorboard or csv_monitor",
-    "comet": "Comet monitoring is not implemented; use tensorboard or csv_monitor",
-    "hybrid_engine": "the RLHF hybrid engine is not implemented",
-    "sequence_parallel_size": "sequence parallelism is not implemented",
-    "tensor_parallel": "DeepSpeed AutoTP is not implemented; give the model PartitionSpecs instead",
-}
-NOOP_SECTIONS = {"flops_profiler", "comms_logger", "autotuning", "checkpoint", "gradient_predivide",
-                 "zero_optimization_stage"}
-
-
-def load_config(source: str | os.PathLike | Mapping[str, Any], *, dp_size: int | None = None) -> Config:
-    """Parse, validate and resolve a jzero/DeepSpeed config (a JSON file path or a dict).
-
-    ``dp_size`` is the data-parallel size the batch rule is checked against; by default the
-    number of devices the config's mesh will use (``jzero.mesh.devices`` or all devices).
-    """
-    raw = _read(source)
-    raw = {k: v for k, v in raw.items() if not k.startswith("_comment")}
-    for key in raw:
-        if key in UNSUPPORTED_SECTIONS and _enabled(raw[key]):
-            raise ConfigError(f"{key}: not supported by jzero: {UNSUPPORTED_SECTIONS[key]}")
-    noops = sorted(k for k in raw if k in NOOP_SECTIONS or (k in UNSUPPORTED_SECTIONS))
-    parsed = {k: v for k, v in raw.items() if k not in NOOP_SECTIONS and k not in UNSUPPORTED_SECTIONS}
-    cfg = _parse(Config, parsed, "")
-    if cfg.activation_checkpointing is not None and "remat" not in raw.get("jzero", {}):
-        remat = "offload" if cfg.activation_checkpointing.cpu_checkpointing else "full"
-        cfg = dataclasses.replace(cfg, jzero=dataclasses.replace(cfg.jzero, remat=remat))
-    _check_unsupported_zero(cfg.zero_optimization)
-    if noops:
-        warnings.warn(f"jzero ignores these DeepSpeed sections (no effect under XLA): {', '.join(noops)}",
-                      ConfigWarning, stacklevel=2)
-    cfg = _resolve_auto(cfg)
-    _validate(cfg)
+def parse_config(raw: Mapping[str, Any], dp_size: int | None = None) -> Config:
+    """The typed `Config` of ``raw`` (a DeepSpeed/jzero dict with only schema keys) with the batch
+    rule resolved for a data-parallel size of ``dp_size`` (default: ``jzero.mesh.devices``, else
+    every device). ``"auto"`` batch keys are inferred by the rule; ``"auto"`` ZeRO sizes stay
+    ``AUTO`` until the model is known (`with_hidden_size`)."""
+    cfg = _parse(Config, raw, "")
     if dp_size is None:
         dp_size = cfg.jzero.mesh.devices or _device_count()
+    batch = {k: None for k in ("train_batch_size", "train_micro_batch_size_per_gpu",
+                               "gradient_accumulation_steps") if getattr(cfg, k) == AUTO}
+    cfg = dataclasses.replace(cfg, **batch)
     given = (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps)
+    for key, value in zip(("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"),
+                          given, strict=True):
+        if value is not None and value < 1:
+            raise ConfigError(f"{key}: must be >= 1, got {value}")
     train, micro, accum = resolve_batch(*given, dp_size)
     return dataclasses.replace(cfg, train_batch_size=train, train_micro_batch_size_per_gpu=micro,
                                gradient_accumulation_steps=accum, dp_size=dp_size, given_batch=given,
-                               source=raw)
+                               source=dict(raw))
+
+
+# HF's "auto" rules for the ZeRO sizes, from the model's hidden size h.
+AUTO_SIZES = {"reduce_bucket_size": lambda h: h * h,
+              "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
+              "stage3_param_persistence_threshold": lambda h: 10 * h}
+
+
+def with_hidden_size(cfg: Config, hidden: int) -> Config:
+    """``cfg`` with its ``"auto"`` ZeRO sizes resolved from the model's hidden size (HF's rules)."""
+    zero = cfg.zero_optimization
+    updates = {key: rule(hidden) for key, rule in AUTO_SIZES.items() if getattr(zero, key) == AUTO}
+    if not updates:
+        return cfg
+    return dataclasses.replace(cfg, zero_optimization=dataclasses.replace(zero, **updates))
 
 
 def resolve_batch(train: int | None, micro: int | None, accum: int | None, dp: int) -> tuple[int, int, int]:
@@ -357,7 +340,14 @@ def resolve_batch(train: int | None, micro: int | None, accum: int | None, dp: i
 # --------------------------------------------------------------------------------------------
 # Generic typed parsing
 # --------------------------------------------------------------------------------------------
-def _read(source: str | os.PathLike | Mapping[str, Any]) -> dict:
+def _device_count() -> int:
+    import jax
+
+    return jax.device_count()
+
+
+def read_json(source: str | os.PathLike | Mapping[str, Any]) -> dict:
+    """A config as a dict: a mapping as it is, or a JSON file (errors name the file and line)."""
     if isinstance(source, Mapping):
         return dict(source)
     path = os.fspath(source)
@@ -371,12 +361,6 @@ def _read(source: str | os.PathLike | Mapping[str, Any]) -> dict:
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a JSON object, got {type(data).__name__}")
     return data
-
-
-def _enabled(value: Any) -> bool:
-    if isinstance(value, Mapping):
-        return bool(value.get("enabled", True)) and bool(value)
-    return bool(value)
 
 
 def _parse(cls: type, data: Any, path: str) -> Any:
@@ -446,98 +430,3 @@ def _to_dict(obj: Any) -> Any:
     if isinstance(obj, tuple):
         return list(obj)
     return obj
-
-
-# --------------------------------------------------------------------------------------------
-# "auto", consistency checks
-# --------------------------------------------------------------------------------------------
-def _device_count() -> int:
-    import jax
-
-    return jax.device_count()
-
-
-def _resolve_auto(cfg: Config) -> Config:
-    """HF-style ``"auto"``: from the model (hidden size h) where jzero knows it, else an error."""
-    from jzero.models.gpt import gpt_config  # the model section is the only source of h
-
-    def hidden() -> int:
-        return gpt_config(cfg.jzero.model).d_model
-
-    zero = cfg.zero_optimization
-    zero_updates = {}
-    for key, fn in (("reduce_bucket_size", lambda h: h * h),
-                    ("stage3_prefetch_bucket_size", lambda h: int(0.9 * h * h)),
-                    ("stage3_param_persistence_threshold", lambda h: 10 * h)):
-        if getattr(zero, key) == AUTO:
-            zero_updates[key] = fn(hidden())
-    batch = {k: None for k in ("train_batch_size", "train_micro_batch_size_per_gpu",
-                               "gradient_accumulation_steps") if getattr(cfg, k) == AUTO}
-    if cfg.gradient_clipping == AUTO:
-        raise ConfigError("gradient_clipping: 'auto' has no source in jzero (no HF TrainingArguments); "
-                          "set a number (0 = off)")
-    return dataclasses.replace(cfg, zero_optimization=dataclasses.replace(zero, **zero_updates), **batch)
-
-
-def _check_unsupported_zero(zero: ZeroConfig) -> None:
-    for name in ("offload_optimizer", "offload_param"):
-        device = getattr(zero, name).device
-        if device != "none":
-            raise ConfigError(f"zero_optimization.{name}.device: '{device}' offload is not supported "
-                              "(valid: 'none'); ZeRO-3 sharding over more devices is the jzero way")
-    for name in ("zero_quantized_weights", "zero_quantized_gradients"):
-        if getattr(zero, name):
-            raise ConfigError(f"zero_optimization.{name}: quantized ZeRO++ collectives are not supported "
-                              "(valid: false)")
-    if zero.mics_shard_size > 0:
-        raise ConfigError("zero_optimization.mics_shard_size: MiCS is not supported; "
-                          "use zero_hpz_partition_size for hierarchical sharding")
-
-
-def _positive(where: str, value: Any, minimum: float = 1) -> None:
-    if value is not None and value < minimum:
-        raise ConfigError(f"{where}: must be >= {minimum}, got {value}")
-
-
-def _validate(cfg: Config) -> None:
-    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-                "steps_per_print"):
-        _positive(key, getattr(cfg, key))
-    _positive("gradient_clipping", cfg.gradient_clipping, 0)
-    zero = cfg.zero_optimization
-    _positive("zero_optimization.zero_hpz_partition_size", zero.zero_hpz_partition_size)
-    _positive("zero_optimization.stage3_param_persistence_threshold", zero.stage3_param_persistence_threshold, 0)
-    fp16 = cfg.fp16
-    if cfg.bf16.enabled and fp16.enabled:
-        raise ConfigError("bf16.enabled and fp16.enabled: choose one mixed-precision mode")
-    _positive("fp16.loss_scale", fp16.loss_scale, 0)
-    _positive("fp16.loss_scale_window", fp16.loss_scale_window)
-    _positive("fp16.hysteresis", fp16.hysteresis)
-    _positive("fp16.initial_scale_power", fp16.initial_scale_power, 0)
-    if fp16.min_loss_scale <= 0:
-        raise ConfigError(f"fp16.min_loss_scale: must be > 0, got {fp16.min_loss_scale}")
-    if cfg.jzero.max_loss_scale < max(fp16.min_loss_scale, 1.0):
-        raise ConfigError(f"jzero.max_loss_scale: must be >= fp16.min_loss_scale, got {cfg.jzero.max_loss_scale}")
-    mesh = cfg.jzero.mesh
-    _positive("jzero.mesh.devices", mesh.devices)
-    _positive("jzero.mesh.fsdp", mesh.fsdp)
-    train = cfg.jzero.train
-    _positive("jzero.train.steps", train.steps)
-    _positive("jzero.train.eval_interval", train.eval_interval)
-    _positive("jzero.train.eval_batches", train.eval_batches)
-    _positive("jzero.checkpoint.interval", cfg.jzero.checkpoint.interval)
-    _positive("jzero.checkpoint.max_to_keep", cfg.jzero.checkpoint.max_to_keep)
-    if not 0 < cfg.jzero.data.heldout_fraction < 1:
-        raise ConfigError(f"jzero.data.heldout_fraction: must be in (0, 1), got {cfg.jzero.data.heldout_fraction}")
-    # Deferred imports: these modules own the name tables the config is checked against.
-    from jzero.models.gpt import gpt_config
-    from jzero.optim import validate_optimizer
-    from jzero.remat import POLICIES
-    from jzero.schedules import validate_scheduler
-
-    if cfg.jzero.remat not in POLICIES:
-        raise unknown("jzero.remat", f"policy '{cfg.jzero.remat}'", cfg.jzero.remat, POLICIES)
-    gpt_config(cfg.jzero.model)
-    validate_optimizer(cfg.optimizer)
-    if cfg.scheduler is not None:
-        validate_scheduler(cfg.scheduler, cfg)

@@ -21,7 +21,6 @@ from jax.sharding import NamedSharding
 
 from jzero.config import ConfigError, DataConfig
 
-TOKEN_FILES = {".npy", ".bin"}
 SPLITS = {"train": 0, "heldout": 1}
 
 

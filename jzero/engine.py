@@ -9,40 +9,22 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jzero import data, profile
+from jzero import data, models, profile
 from jzero.checkpoint import Checkpointer
 from jzero.config import Config, ConfigError
 from jzero.mesh import make_mesh
 from jzero.models import gpt
-from jzero.monitor import Monitor
+from jzero.monitor import Monitor, RunSummary
 from jzero.state import TrainState, abstract_init, init
 from jzero.step import eval_step, train_step
 
 SAMPLE_PROMPT = b"def "
 SAMPLE_TOKENS = 160
-
-
-@dataclass
-class RunSummary:
-    steps: int = 0
-    train_loss: float = float("nan")
-    first_eval_loss: float = float("nan")
-    eval_loss: float = float("nan")
-    tokens_per_s: float = 0.0
-    samples_per_s: float = 0.0
-    step_s: float = float("nan")  # mean wall time of a training step (compile excluded)
-    model_flops_per_step: float = 0.0  # analytic model FLOPs of one step, all devices (no recompute)
-    devices: int = 1
-    compile_s: float = 0.0
-    memory: profile.MemoryReport | None = None  # of the compiled step, per device
-    sample: str = ""
-    stopped: bool = False  # ended early by should_stop (a signal)
 
 
 class Engine:
@@ -52,11 +34,12 @@ class Engine:
         """With a ``checkpointer`` holding a step, the state is restored from its newest readable
         step (onto this config's mesh and stage) instead of freshly initialised."""
         self.corpus = data.load_corpus(config.jzero.data)
-        self.model_cfg = gpt.gpt_config(config.jzero.model, config.jzero.remat)
+        self.model = models.build(config)
+        self.model_cfg = self.model.spec
         if self.corpus.vocab_size > self.model_cfg.vocab_size:
             raise ConfigError(f"jzero.model.vocab_size: {self.model_cfg.vocab_size} is smaller than the data's "
                               f"vocabulary ({self.corpus.vocab_size} in {self.corpus.source})")
-        init_fn, loss_fn = gpt.make(self.model_cfg)
+        init_fn, loss_fn = self.model.init_fn, self.model.loss_fn
         mesh = make_mesh(config)
         self.resumed = checkpointer is not None and checkpointer.latest_step() is not None
         if self.resumed:
@@ -64,6 +47,20 @@ class Engine:
         else:
             self.state = init(init_fn, config, loss_fn=loss_fn, rng=jax.random.key(config.seed), mesh=mesh)
         self.config = self.state.config  # batch rule resolved for the real mesh
+
+    def header(self, flags: list[str]) -> list[str]:
+        """The run's opening lines: data, model, stage, mesh, batch rule, remat, XLA flags."""
+        from jzero import xla_flags
+        from jzero.mesh import data_parallel_size
+
+        cfg, mesh = self.config, self.state.plan.mesh
+        lines = [f"jzero: {data.describe(self.corpus)}",
+                 f"jzero: {self.model.name.upper()} {cfg.jzero.model.size} ({self.num_params:,} params), ZeRO stage "
+                 f"{cfg.zero_optimization.stage}, mesh {dict(mesh.shape)} on {jax.devices()[0].platform}, "
+                 f"batch {cfg.train_batch_size} = micro {cfg.train_micro_batch_size_per_gpu} x accum "
+                 f"{cfg.gradient_accumulation_steps} x dp {data_parallel_size(mesh)}, remat {cfg.jzero.remat}"]
+        described = xla_flags.describe(flags, jax.default_backend())
+        return lines + ([described] if described else [])
 
     @property
     def num_params(self) -> int:
@@ -146,7 +143,7 @@ class Engine:
         summary.tokens_per_s = done_steps * tokens_per_step / max(total_time, 1e-9)
         summary.samples_per_s = done_steps * cfg.train_batch_size / max(total_time, 1e-9)
         summary.step_s = total_time / max(done_steps, 1)
-        summary.model_flops_per_step = gpt.model_flops(self.model_cfg, tokens_per_step)["total"]
+        summary.model_flops_per_step = self.model.flops(cfg.train_batch_size)["total"]
         summary.devices = self.state.plan.mesh.size
         return summary
 

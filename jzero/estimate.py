@@ -1,6 +1,6 @@
 """`jzero estimate`: exact per-device memory and communication of a config, with no hardware.
 
-The train step of the config's GPT is compiled ahead of time on abstract shapes
+The train step of the config's reference model is compiled ahead of time on abstract shapes
 (`jzero.abstract_init`: no parameter is allocated) for the requested device count, and
 `jzero.profile` reads memory, collectives and FLOPs from the executable. The ZeRO paper's and
 DeepSpeed's formulas are printed beside the measurement.
@@ -8,18 +8,18 @@ DeepSpeed's formulas are printed beside the measurement.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 
-from jzero import profile
+from jzero import models, profile
 from jzero.config import Config
 from jzero.mesh import make_mesh
-from jzero.models import gpt
-from jzero.state import abstract_init
+from jzero.sharding import is_stacked
+from jzero.state import TrainState, abstract_init
 from jzero.step import train_step
 
 GiB = 2**30
@@ -62,17 +62,24 @@ class Estimate:
         }
 
 
-def compile_step(config: Config) -> tuple[Any, Any, dict, gpt.GPTConfig, float]:
-    """The config's GPT training step compiled on abstract shapes: (compiled, abstract state,
-    abstract batch, model config, compile seconds). Nothing is allocated."""
-    model_cfg = gpt.gpt_config(config.jzero.model, config.jzero.remat)
-    init_fn, loss_fn = gpt.make(model_cfg)
-    state = abstract_init(init_fn, config, loss_fn=loss_fn, mesh=make_mesh(config))
-    shape = (state.config.train_batch_size, model_cfg.seq_len)
-    batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=state.plan.batch) for k in ("inputs", "targets")}
+class CompiledStep(NamedTuple):
+    compiled: Any  # the executable
+    state: TrainState  # the abstract state it was compiled for (ShapeDtypeStructs with shardings)
+    batch: dict[str, jax.ShapeDtypeStruct]
+    model: models.Model
+    compile_s: float
+
+
+def compile_step(config: Config) -> CompiledStep:
+    """The config's training step compiled on abstract shapes for its reference model; nothing
+    is allocated."""
+    model = models.build(config)
+    state = abstract_init(model.init_fn, config, loss_fn=model.loss_fn, mesh=make_mesh(config))
+    batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=state.plan.batch)
+             for k, v in model.batch_spec(state.config.train_batch_size).items()}
     t0 = time.perf_counter()
     compiled = train_step.lower(state, batch).compile()
-    return compiled, state, batch, model_cfg, time.perf_counter() - t0
+    return CompiledStep(compiled, state, batch, model, time.perf_counter() - t0)
 
 
 def estimate(config: Config, stage: int | None = None) -> Estimate:
@@ -80,13 +87,14 @@ def estimate(config: Config, stage: int | None = None) -> Estimate:
     if stage is not None:
         config = dataclasses.replace(config, zero_optimization=dataclasses.replace(
             config.zero_optimization, stage=stage))
-    compiled, state, _, model_cfg, compile_s = compile_step(config)
+    compiled, state, _, _, compile_s = compile_step(config)
     cfg, mesh = state.config, state.plan.mesh
     mem = profile.memory(compiled)
     comm = profile.comm(compiled)
     grads = sum(profile.shard_bytes(x.shape, x.dtype, s)
-                for x, s in zip(jax.tree.leaves(state.params), jax.tree.leaves(state.plan.grads)))
-    layer = sum(x.size for x in jax.tree.leaves(state.params["blocks"]["stacked"])) // model_cfg.n_layers
+                for x, s in zip(jax.tree.leaves(state.params), jax.tree.leaves(state.plan.grads), strict=True))
+    layer = sum(math.prod(x.shape[1:]) for path, x in jax.tree_util.tree_flatten_with_path(state.params)[0]
+                if is_stacked(path))  # one layer of the scanned stack: DeepSpeed's largest layer
     return Estimate(stage=cfg.zero_optimization.stage, accumulation=cfg.gradient_accumulation_steps,
                     mesh=dict(mesh.shape), num_params=mem.num_params,
                     memory=mem, grads_bytes=grads, comm_elements=comm.total_elements(),

@@ -21,7 +21,7 @@ import ml_dtypes
 import numpy as np
 
 from jzero import treepath
-from jzero.checkpoint import CheckpointError, Checkpointer
+from jzero.checkpoint import Checkpointer, CheckpointError
 
 DTYPES = {"fp32": np.dtype(np.float32), "bf16": np.dtype(ml_dtypes.bfloat16)}
 SAFETENSORS_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",

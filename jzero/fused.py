@@ -18,7 +18,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from pallas_kernels import adamw as kernel
 
@@ -82,4 +83,4 @@ def _step_leaves(backend: str, options: dict, hyper: jax.Array, grads: Any, para
 
     out = jax.tree.map(one, grads, params, mu, nu)
     treedef = jax.tree.structure(params)
-    return tuple(jax.tree.unflatten(treedef, xs) for xs in zip(*treedef.flatten_up_to(out)))
+    return tuple(jax.tree.unflatten(treedef, xs) for xs in zip(*treedef.flatten_up_to(out), strict=True))

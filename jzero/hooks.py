@@ -1,5 +1,5 @@
-"""Per-layer ZeRO hooks inside the scanned layer stack (DESIGN §3): the collectives of stages 1-3
-written out explicitly, because GSPMD left to itself gathers activations instead of
+"""Per-layer ZeRO hooks inside the scanned layer stack (docs/design.md, "Per-layer hooks"): the
+collectives of stages 1-3 written out explicitly, because GSPMD left to itself gathers activations instead of
 weights, keeps fp32 on the wire, and reduces full gradients where a reduce-scatter is due.
 
 While the jzero step traces the loss at stage >= 1 it activates a `HookContext`; `scan_layers`
@@ -33,7 +33,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jzero.mesh import DATA_AXES
 from jzero.sharding import FSDP, LeafSpecs, leaf_specs
@@ -151,6 +152,18 @@ def _never_save_hooks(base: Callable | None) -> Callable:
     return policy
 
 
+def _leaf_hook(shape: tuple[int, ...], ctx: HookContext, n: int) -> tuple[str, int | None, P]:
+    """(hook, fsdp dim, input spec) of one stacked leaf, from its row of the ZeRO table (per layer):
+    stored sharded -> "gather"; replicated with a sharded gradient -> "sink"; else "replicate"."""
+    full = leaf_specs(shape, ctx.stage, n, ctx.persistence_threshold, stacked=True)
+    layer = LeafSpecs(*(P(*spec[1:]) for spec in full))
+    if (dim := _fsdp_dim(layer.params)) is not None:
+        return "gather", dim, layer.params
+    if (dim := _fsdp_dim(layer.grads)) is not None:
+        return "sink", dim, layer.grads
+    return "replicate", None, P()
+
+
 def scan(ctx: HookContext, apply_layer: Callable, policy: Callable | None, x: Any, stacked: Any,
          extra: Any) -> Any:
     """``lax.scan`` of ``apply_layer(layer_params, carry, layer_extra)`` over the stacked layers,
@@ -160,36 +173,28 @@ def scan(ctx: HookContext, apply_layer: Callable, policy: Callable | None, x: An
     n = ctx.mesh.shape[FSDP]
     checkpoint_policy = _never_save_hooks(policy)
     leaves, treedef = jax.tree.flatten(stacked)
-    kinds, inputs, in_specs = [], [], []
+    plans = [_leaf_hook(leaf.shape, ctx, n) for leaf in leaves]  # each leaf classified once
+    inputs, in_specs = [], []
 
     def pinned(v: jax.Array, spec: P) -> jax.Array:
         return jax.lax.with_sharding_constraint(v, NamedSharding(ctx.mesh, P(None, *spec)))
 
-    for leaf in leaves:
-        full = leaf_specs(leaf.shape, ctx.stage, n, ctx.persistence_threshold, stacked=True)
-        ls = LeafSpecs(*(P(*spec[1:]) for spec in full))
-        kinds.append(ls)
-        if _fsdp_dim(ls.params) is not None:
-            inputs.append(pinned(leaf, ls.params))
-            in_specs.append(ls.params)
-        elif _fsdp_dim(ls.grads) is not None:
-            inputs += [pinned(jax.lax.stop_gradient(leaf), P()), pinned(leaf, ls.grads)]
-            in_specs += [P(), ls.grads]
+    for leaf, (kind, _, spec) in zip(leaves, plans, strict=True):
+        if kind == "sink":  # the replicated value for the forward pass, the shard that takes the gradient
+            inputs += [pinned(jax.lax.stop_gradient(leaf), P()), pinned(leaf, spec)]
+            in_specs += [P(), spec]
         else:
-            inputs.append(pinned(leaf, P()))
-            in_specs.append(P())
+            inputs.append(pinned(leaf, spec))
+            in_specs.append(spec)
+    apply_hook = {
+        "gather": lambda it, dim: gather(next(it), dim, ctx.compute_dtype, ctx.comm_dtype),
+        "sink": lambda it, dim: sink(next(it), next(it), dim, ctx.compute_dtype, ctx.comm_dtype),
+        "replicate": lambda it, dim: replicate(next(it), ctx.compute_dtype, ctx.comm_dtype),
+    }
 
     def local(carry, layer_extra, *layer_inputs):
-        it, ws = iter(layer_inputs), []
-        for ls in kinds:
-            dim_p, dim_g = _fsdp_dim(ls.params), _fsdp_dim(ls.grads)
-            if dim_p is not None:
-                ws.append(gather(next(it), dim_p, ctx.compute_dtype, ctx.comm_dtype))
-            elif dim_g is not None:
-                rep, shard = next(it), next(it)
-                ws.append(sink(rep, shard, dim_g, ctx.compute_dtype, ctx.comm_dtype))
-            else:
-                ws.append(replicate(next(it), ctx.compute_dtype, ctx.comm_dtype))
+        it = iter(layer_inputs)
+        ws = [apply_hook[kind](it, dim) for kind, dim, _ in plans]
         return apply_layer(jax.tree.unflatten(treedef, ws), carry, layer_extra)
 
     local = jax.checkpoint(local, policy=checkpoint_policy, prevent_cse=False)

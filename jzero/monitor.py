@@ -8,6 +8,7 @@ Only process 0 writes or prints.
 from __future__ import annotations
 
 import csv
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,49 @@ from rich.table import Table
 from jzero.config import Config, MonitorConfig
 
 CSV_COLUMNS = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "eval_loss")
+
+
+@dataclass
+class RunSummary:
+    """What a finished (or stopped) `jzero train` run shows in its summary table."""
+
+    steps: int = 0
+    train_loss: float = float("nan")
+    first_eval_loss: float = float("nan")
+    eval_loss: float = float("nan")
+    tokens_per_s: float = 0.0
+    samples_per_s: float = 0.0
+    step_s: float = float("nan")  # mean wall time of a training step (compile excluded)
+    model_flops_per_step: float = 0.0  # analytic model FLOPs of one step, all devices (no recompute)
+    devices: int = 1
+    compile_s: float = 0.0
+    memory: Any = None  # jzero.profile.MemoryReport of the compiled step, per device (None: not reported)
+    sample: str = ""
+    stopped: bool = False  # ended early by should_stop (a signal)
+
+    def rows(self, peak_tflops: float | None = None) -> list[tuple[str, str]]:
+        """The summary table's rows; MFU where the device's peak TFLOP/s is known."""
+        drop = 1 - self.eval_loss / self.first_eval_loss
+        rows = [("steps", f"{self.steps}"),
+                ("final train loss", f"{self.train_loss:.4f}"),
+                ("held-out loss", f"{self.first_eval_loss:.4f} -> {self.eval_loss:.4f} ({drop:.0%} lower)"),
+                ("tokens/s", f"{self.tokens_per_s:,.0f}"),
+                ("samples/s", f"{self.samples_per_s:,.1f}"),
+                ("step time (compile excluded)", f"{1e3 * self.step_s:,.1f} ms"),
+                ("compile time", f"{self.compile_s:.1f} s")]
+        tflops = self.model_flops_per_step / self.step_s / self.devices / 1e12
+        rows.append(("model TFLOP/s per device", f"{tflops:,.4g}"))
+        if peak_tflops:
+            rows.append((f"MFU (peak {peak_tflops:g} TFLOP/s)", f"{tflops / peak_tflops:.1%}"))
+        if self.memory is not None:
+            rows += [("per-device persistent state (compiled step)", mib(self.memory.persistent)),
+                     ("per-device temporaries (compiled step)", mib(self.memory.temp)),
+                     ("per-device peak (compiled step)", mib(self.memory.peak))]
+        return rows
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:,.2f} MiB"
 
 
 class CsvWriter:

@@ -23,14 +23,16 @@ import jax.numpy as jnp
 import optax
 
 from jzero import fused, schedules
-from jzero.config import AUTO, Config, ConfigError, ConfigWarning, OptimizerConfig, unknown
+from jzero.config import Config, ConfigError, ConfigWarning, OptimizerConfig
+from jzero.paramtable import Choice, canonical, resolve
 
+FUSED = Choice(("auto", True, False), "auto")
 # canonical type -> {param: default}; DeepSpeed's defaults (FusedAdam, FusedLamb, Lion, torch SGD).
 PARAMS: dict[str, dict[str, Any]] = {
     "Adam": {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "adam_w_mode": True,
-             "bias_correction": True, "amsgrad": False, "torch_adam": False, "fused": "auto"},
+             "bias_correction": True, "amsgrad": False, "torch_adam": False, "fused": FUSED},
     "AdamW": {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "bias_correction": True,
-              "amsgrad": False, "torch_adam": False, "fused": "auto"},
+              "amsgrad": False, "torch_adam": False, "fused": FUSED},
     "Lamb": {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "bias_correction": True,
              "max_coeff": 10.0, "min_coeff": 0.01, "max_grad_norm": 0.0},
     "Lion": {"lr": 1e-4, "betas": (0.9, 0.99), "weight_decay": 0.0},
@@ -51,66 +53,22 @@ class Optimizer(NamedTuple):
     schedules: schedules.Schedules
 
 
-def canonical_name(name: str) -> str:
-    by_lower = {k.lower(): k for k in PARAMS}
-    if name.lower() not in by_lower:
-        raise unknown("optimizer.type", f"optimizer '{name}'", name, PARAMS, cutoff=0.5)
-    return by_lower[name.lower()]
-
-
-def resolve_params(opt: OptimizerConfig) -> dict[str, Any]:
-    """Validated params with DeepSpeed's defaults filled in; raises ConfigError naming the key."""
-    name = canonical_name(opt.type)
-    table = PARAMS[name]
-    out = dict(table)
-    for key, value in opt.params.items():
-        where = f"optimizer.params.{key}"
-        if key not in table:
-            raise unknown(where, f"key for {name}", key, table)
-        if value == AUTO and key != "fused":  # fused: "auto" is its own setting (on GPU/TPU)
-            raise ConfigError(f"{where}: 'auto' has no source in jzero (no HF TrainingArguments); set a value")
-        out[key] = _check_value(where, table[key], value)
+def validate(opt: OptimizerConfig) -> OptimizerConfig:
+    """The section with its canonical type and every param checked, DeepSpeed's defaults filled
+    in (what `build` reads; resolved once, by `jzero.resolve.load_config`)."""
+    name = canonical("optimizer", opt.type, PARAMS)
+    params = resolve("optimizer", name, PARAMS[name], opt.params)
     for key, (ok, why) in RESTRICTED.items():
-        if key in out and out[key] != ok:
-            raise ConfigError(f"optimizer.params.{key}: {out[key]!r} is not supported ({why}); valid: {ok!r}")
-    if out["lr"] < 0:
-        raise ConfigError(f"optimizer.params.lr: must be >= 0, got {out['lr']}")
-    return out
-
-
-def _check_value(where: str, default: Any, value: Any) -> Any:
-    if isinstance(default, tuple):
-        ok = isinstance(value, (list, tuple)) and len(value) == 2 and all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1 for v in value)
-        if not ok:
-            raise ConfigError(f"{where}: expected [beta1, beta2] with 0 <= beta < 1, got {value!r}")
-        return tuple(float(v) for v in value)
-    if where.endswith(".fused"):
-        if value not in ("auto", True, False):
-            raise ConfigError(f"{where}: expected 'auto', true or false, got {value!r}")
-        return value
-    if isinstance(default, bool):
-        if not isinstance(value, bool):
-            raise ConfigError(f"{where}: expected true or false, got {value!r}")
-        return value
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{where}: expected a number, got {type(value).__name__} {value!r}")
-    return float(value)
-
-
-def validate_optimizer(opt: OptimizerConfig) -> None:
-    resolve_params(opt)
-
-
-def base_lr(opt: OptimizerConfig) -> float:
-    """The optimizer's own lr (the schedules' base and the target of ``warmup_max_lr: auto``)."""
-    return resolve_params(opt)["lr"]
+        if key in params and params[key] != ok:
+            raise ConfigError(f"optimizer.params.{key}: {params[key]!r} is not supported ({why}); valid: {ok!r}")
+    if params["lr"] < 0:
+        raise ConfigError(f"optimizer.params.lr: must be >= 0, got {params['lr']}")
+    return OptimizerConfig(type=name, params=params)
 
 
 def build(cfg: Config) -> Optimizer:
-    """The optax transformation and its schedules for ``cfg.optimizer`` / ``cfg.scheduler``."""
-    name = canonical_name(cfg.optimizer.type)
-    p = resolve_params(cfg.optimizer)
+    """The optax transformation and its schedules for the resolved ``cfg.optimizer`` / ``cfg.scheduler``."""
+    name, p = cfg.optimizer.type, cfg.optimizer.params
     sched = schedules.build(cfg, p["lr"], cycles_betas="betas" in PARAMS[name])
     if name == "Adam" and not p["adam_w_mode"]:
         name = "AdamL2"
@@ -124,8 +82,7 @@ def build(cfg: Config) -> Optimizer:
 def fused_backend(cfg: Config, *, notice: bool = False) -> str | None:
     """The Pallas backend of the fused AdamW step for this config on this platform, or None
     for the XLA path. With ``notice``, says in one line why a requested fused step is off."""
-    name = canonical_name(cfg.optimizer.type)
-    p = resolve_params(cfg.optimizer)
+    name, p = cfg.optimizer.type, cfg.optimizer.params
     setting = p.get("fused", False)
     platform = jax.default_backend()
     if setting is False or (setting == "auto" and platform == "cpu"):
@@ -133,7 +90,7 @@ def fused_backend(cfg: Config, *, notice: bool = False) -> str | None:
     why = None
     if name == "Adam" and not p["adam_w_mode"]:
         why = "the fused step is AdamW's (adam_w_mode: true)"
-    backend = _PLATFORM_BACKENDS.get(platform, lambda: None)()
+    backend = pallas_backend(platform)
     if backend is None and why is None:
         why = f"no Pallas backend for platform '{platform}'"
     if why is None and backend != "interpret" and _compile_error(backend):
@@ -179,6 +136,11 @@ _PLATFORM_BACKENDS: dict[str, Callable[[], str | None]] = {
     "cuda": _gpu_backend,
     "tpu": lambda: "tpu",
 }
+
+
+def pallas_backend(platform: str) -> str | None:
+    """The Pallas backend of the fused step on ``platform`` ("cpu": interpret mode), or None."""
+    return _PLATFORM_BACKENDS.get(platform, lambda: None)()
 
 
 def _betas(p: Mapping[str, Any], sched: schedules.Schedules) -> dict[str, Any]:

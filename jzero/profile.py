@@ -17,9 +17,8 @@ from typing import Any
 import jax
 import numpy as np
 
-COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
-DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4,
-               "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+from jzero import hlo
+from jzero.hlo import COLLECTIVES, DTYPE_BYTES
 
 
 # ------------------------------------------------------------------------------------------
@@ -63,12 +62,11 @@ def memory(compiled: Any) -> MemoryReport:
     shardings = {jax.tree_util.keystr(p): s
                  for p, s in jax.tree_util.tree_flatten_with_path(compiled.input_shardings[0])[0]}
     for path, info in jax.tree_util.tree_flatten_with_path(compiled.args_info[0])[0]:
-        aval = info._aval
-        nbytes = shard_bytes(aval.shape, aval.dtype, shardings.get(jax.tree_util.keystr(path)))
+        nbytes = shard_bytes(info.shape, info.dtype, shardings.get(jax.tree_util.keystr(path)))
         group = _argument_group(path)
         groups[group] += nbytes
         if group == "params":
-            num_params += math.prod(aval.shape)
+            num_params += math.prod(info.shape)
     return MemoryReport(arguments=stats.argument_size_in_bytes, outputs=stats.output_size_in_bytes,
                         temp=stats.temp_size_in_bytes, aliased=stats.alias_size_in_bytes,
                         params=groups["params"], opt_state=groups["opt_state"], batch=groups["batch"],
@@ -144,140 +142,22 @@ class CommReport:
         return dict(out)
 
 
-_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.+?) ([a-z\-]+)\(")
-_SHAPE = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
-_CALLEE = re.compile(r"(?:calls|to_apply|condition|body|branch_computations|called_computations)="
-                     r"\{?(%[\w.\-]+(?:, ?%[\w.\-]+)*)\}?")
-
-
-def _computations(text: str) -> tuple[dict[str, list[str]], str | None]:
-    """The HLO text's instruction lines by computation name, and the ENTRY computation's name."""
-    instructions: dict[str, list[str]] = defaultdict(list)
-    entry, current = None, None
-    for line in text.splitlines():
-        m = _COMPUTATION.match(line)
-        if m and "=" not in line.split("(")[0]:
-            current = m.group(1)
-            if line.startswith("ENTRY"):
-                entry = current
-            continue
-        if current is not None and line.strip() and line.strip() != "}":
-            instructions[current].append(line)
-    return instructions, entry
-
-
 def comm(compiled: Any) -> CommReport:
     """Every collective in the partitioned HLO of ``compiled`` (or an HLO text)."""
-    text = compiled if isinstance(compiled, str) else compiled.as_text()
-    instructions, entry = _computations(text)
-    counts = _execution_counts(instructions, entry)
-    defs = {m.group(1): line for lines in instructions.values() for line in lines if (m := _INSTRUCTION.match(line))}
+    module = hlo.parse(compiled if isinstance(compiled, str) else compiled.as_text())
     found = []
-    for comp, lines in instructions.items():
-        for line in lines:
-            m = _INSTRUCTION.match(line)
-            if not m or m.group(3).removesuffix("-start") not in COLLECTIVES:
-                continue
-            kind = m.group(3).removesuffix("-start")
-            shapes = _SHAPE.findall(m.group(2))
-            elements = sum(math.prod(int(d) for d in dims.split(",") if d) for _, dims in shapes)
-            dtype = shapes[0][0] if shapes else "?"
-            requested = _requested_dtype(line, defs, instructions)
-            found.append(Collective(kind=kind, dtype=requested or dtype, elements=elements,
-                                    group_size=_group_size(line), count=counts.get(comp, 0), name=m.group(1),
-                                    groups=_groups(line), widened_to=dtype if requested else None))
+    for inst in module.instructions():
+        kind = inst.op.removesuffix("-start")
+        if kind not in COLLECTIVES:
+            continue
+        shapes = hlo.shapes(inst.result)
+        elements = sum(math.prod(dims) for _, dims in shapes)
+        dtype = shapes[0][0] if shapes else "?"
+        requested = module.requested_dtype(inst)
+        found.append(Collective(kind=kind, dtype=requested or dtype, elements=elements,
+                                group_size=hlo.group_size(inst.line), count=inst.count, name=inst.name,
+                                groups=hlo.replica_groups(inst.line), widened_to=dtype if requested else None))
     return CommReport(tuple(found))
-
-
-def _execution_counts(instructions: dict[str, list[str]], entry: str | None) -> dict[str, int]:
-    """How many times each computation runs per call of ENTRY (while bodies x trip count)."""
-    calls: dict[str, list[tuple[str, int]]] = defaultdict(list)
-    for comp, lines in instructions.items():
-        for line in lines:
-            trip = 1
-            if " while(" in line:
-                t = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
-                trip = int(t.group(1)) if t else 1
-            for group in _CALLEE.findall(line):
-                for callee in group.split(","):
-                    calls[comp].append((callee.strip().lstrip("%"), trip))
-    counts: dict[str, int] = defaultdict(int)
-
-    def visit(comp: str, times: int) -> None:
-        counts[comp] += times
-        for callee, trip in calls.get(comp, ()):
-            visit(callee, times * trip)
-
-    if entry is not None:
-        visit(entry, 1)
-    return counts
-
-
-def _requested_dtype(line: str, defs: dict[str, str], instructions: dict[str, list[str]]) -> str | None:
-    """The 16-bit dtype a reduction was asked for when the backend widened it: XLA's CPU backend
-    reduces bf16/f16 in f32 (its reduction computation renamed ``*_promoted``, the operand a
-    fusion that rounds to 16 bits and converts back). None when nothing was widened."""
-    if not re.search(r"to_apply=%[\w.\-]+_promoted\b", line):
-        return None
-    call = re.search(r" [a-z\-]+\(([^)]*)\)", line.split("=", 1)[1])
-    operands = re.findall(r"%([\w.\-]+)", call.group(1)) if call else []
-    for name in operands:
-        text = defs.get(name, "")
-        callee = re.search(r"calls=%([\w.\-]+)", text)
-        body = text + "\n".join(instructions.get(callee.group(1), [])) if callee else text
-        for wanted in ("bf16", "f16"):
-            if re.search(rf"\b{wanted}\[", body):
-                return wanted
-    return None
-
-
-def _groups(line: str) -> tuple[tuple[int, ...], ...] | None:
-    """The replica groups as device-id tuples: explicit ``{{0,1},{2,3}}`` or the iota form
-    ``[2,4]<=[4,2]T(1,0)``; None for forms that need the mesh to resolve."""
-    m = re.search(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", line)
-    if m:
-        return tuple(tuple(int(d) for d in g.split(",") if d) for g in re.findall(r"\{([\d,]*)\}", m.group(1)))
-    m = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
-    if m:
-        shape = [int(d) for d in m.group(1).split(",")]
-        ids = np.arange(math.prod(int(d) for d in m.group(2).split(","))).reshape(
-            [int(d) for d in m.group(2).split(",")])
-        if m.group(3):
-            ids = ids.transpose([int(d) for d in m.group(3).split(",")])
-        return tuple(tuple(int(i) for i in row) for row in ids.reshape(shape[0], -1))
-    m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))? "
-                  r"\{([^}]*)\}", line)
-    if m:  # Shardy's form: named mesh axes over (permuted) device ids; the group spans the named axes
-        axes = [(name, int(size)) for name, size in re.findall(r"'(\w+)'=(\d+)", m.group(1))]
-        ids = np.arange(math.prod(size for _, size in axes))
-        if m.group(2):
-            ids = ids.reshape([int(d) for d in m.group(2).split(",")])
-            if m.group(3):
-                ids = ids.transpose([int(d) for d in m.group(3).split(",")])
-        names = [a for a, _ in axes]
-        over = [names.index(a) for a in re.findall(r"'(\w+)'", m.group(4))]
-        grid = np.moveaxis(ids.reshape([size for _, size in axes]), over, range(-len(over), 0))
-        return tuple(tuple(int(i) for i in row) for row in grid.reshape(-1, math.prod(grid.shape[-len(over):])))
-    return None
-
-
-def _group_size(line: str) -> int:
-    m = re.search(r"replica_groups=\{\{([\d,]*)\}", line)
-    if m:
-        return len(m.group(1).split(","))
-    m = re.search(r"replica_groups=\[([\d,]+)\]<=", line)
-    if m:
-        return int(m.group(1).split(",")[-1])
-    m = re.search(r"replica_groups=mesh\[([^\]]*)\]", line)
-    if m:
-        sizes = dict(re.findall(r"'(\w+)'=(\d+)", m.group(1)))
-        axes = re.search(r"\{('[\w']+(?:,\s*'\w+')*)\}", line[m.end():])
-        names = re.findall(r"'(\w+)'", axes.group(1)) if axes else list(sizes)
-        return math.prod(int(sizes[a]) for a in names)
-    if "replica_groups={}" in line:
-        return 0  # all devices: resolved by the caller if needed
-    return 1
 
 
 # ------------------------------------------------------------------------------------------
@@ -335,30 +215,19 @@ def matmul_flops_by_scope(compiled: Any) -> dict[str, float]:
     """FLOPs per step (per device) of every dot and convolution in the partitioned HLO, summed
     by the first `SCOPES` name in its ``op_name`` metadata ("other" when none), times how often
     its computation runs (layer loops, micro-batch loops, fusions)."""
-    text = compiled if isinstance(compiled, str) else compiled.as_text()
-    instructions, entry = _computations(text)
-    counts = _execution_counts(instructions, entry)
-    shapes = {}
-    for lines in instructions.values():
-        for line in lines:
-            if m := _INSTRUCTION.match(line):
-                dims = _SHAPE.search(m.group(2))
-                shapes[m.group(1)] = [int(d) for d in dims.group(2).split(",") if d] if dims else []
+    module = hlo.parse(compiled if isinstance(compiled, str) else compiled.as_text())
     out: dict[str, float] = defaultdict(float)
-    for comp, lines in instructions.items():
-        for line in lines:
-            m = _INSTRUCTION.match(line)
-            if not m or m.group(3) not in ("dot", "convolution"):
-                continue
-            result = shapes.get(m.group(1), [])
-            operands = re.findall(r"%([\w.\-]+)", line.split(m.group(3) + "(", 1)[1].split(")", 1)[0])
-            lhs = shapes.get(operands[0], []) if operands else []
-            contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", line)
-            k = math.prod(lhs[int(d)] for d in contracting.group(1).split(",") if d) if contracting and lhs else 1
-            name = re.search(r'op_name="([^"]*)"', line)
-            path = name.group(1).split("/") if name else []
-            scope = next((s for s in SCOPES if s in path), "other")
-            out[scope] += 2.0 * math.prod(result) * k * counts.get(comp, 0)
+    for inst in module.instructions():
+        if inst.op not in ("dot", "convolution"):
+            continue
+        operands = hlo.operands(inst)
+        lhs = module.dims(operands[0]) if operands else []
+        contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", inst.line)
+        k = math.prod(lhs[int(d)] for d in contracting.group(1).split(",") if d) if contracting and lhs else 1
+        name = re.search(r'op_name="([^"]*)"', inst.line)
+        path = name.group(1).split("/") if name else []
+        scope = next((s for s in SCOPES if s in path), "other")
+        out[scope] += 2.0 * math.prod(module.dims(inst.name)) * k * inst.count
     return dict(out)
 
 
@@ -370,8 +239,3 @@ PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L4": 121.0, "TPU v6
 def known_peak_tflops(device_kind: str) -> float | None:
     """The device's dense bf16 peak TFLOP/s where jzero knows it (None on CPU and unknown kinds)."""
     return next((v for k, v in PEAK_TFLOPS.items() if k in device_kind), None)
-
-
-def mfu(flops_per_step: float, step_seconds: float, peak_flops: float) -> float:
-    """Model FLOPs utilisation: achieved FLOP/s over the device's peak."""
-    return flops_per_step / step_seconds / peak_flops

@@ -13,6 +13,8 @@ from typing import Any
 
 import jax
 
+from jzero.config import unknown
+
 SAVE_NAMES = ("qkv", "attn_out", "mlp_hidden")
 
 _cp = jax.checkpoint_policies
@@ -35,3 +37,9 @@ def policy(name: str) -> Callable[..., Any] | None:
     if name not in POLICIES:
         raise KeyError(f"unknown remat policy '{name}'; valid: {', '.join(POLICIES)}")
     return POLICIES[name]
+
+
+def validate(name: str) -> None:
+    """ConfigError naming ``jzero.remat`` unless ``name`` is a policy."""
+    if name not in POLICIES:
+        raise unknown("jzero.remat", f"policy '{name}'", name, POLICIES)

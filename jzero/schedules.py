@@ -17,19 +17,20 @@ from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 
-from jzero.config import AUTO, Config, ConfigError, ConfigWarning, SchedulerConfig, unknown
+from jzero.config import Config, ConfigError, ConfigWarning, SchedulerConfig
+from jzero.paramtable import REQUIRED, Choice, canonical, resolve
 
 Schedule = Callable[[Any], Any]
-REQUIRED = object()  # marks a parameter without a default
+WARMUP = Choice(("log", "linear"), "log")
 
 # type -> {param: default}; DeepSpeed's signatures (deepspeed/runtime/lr_schedules.py).
 PARAMS: dict[str, dict[str, Any]] = {
     "WarmupLR": {"warmup_min_lr": 0.0, "warmup_max_lr": None, "warmup_num_steps": 1000,
-                 "warmup_type": "log", "last_batch_iteration": -1},
+                 "warmup_type": WARMUP, "last_batch_iteration": -1},
     "WarmupDecayLR": {"total_num_steps": REQUIRED, "warmup_min_lr": 0.0, "warmup_max_lr": 0.001,
-                      "warmup_num_steps": 1000, "warmup_type": "log", "last_batch_iteration": -1},
+                      "warmup_num_steps": 1000, "warmup_type": WARMUP, "last_batch_iteration": -1},
     "WarmupCosineLR": {"total_num_steps": REQUIRED, "warmup_min_ratio": 0.0, "warmup_num_steps": 1000,
-                       "cos_min_ratio": 0.0001, "warmup_type": "log", "last_batch_iteration": -1},
+                       "cos_min_ratio": 0.0001, "warmup_type": WARMUP, "last_batch_iteration": -1},
     "OneCycle": {"cycle_min_lr": REQUIRED, "cycle_max_lr": REQUIRED, "decay_lr_rate": 0.0,
                  "cycle_first_step_size": 2000, "cycle_second_step_size": None,
                  "cycle_first_stair_count": 0, "cycle_second_stair_count": None, "decay_step_size": 0,
@@ -43,71 +44,42 @@ PARAMS: dict[str, dict[str, Any]] = {
 
 class Schedules(NamedTuple):
     lr: Schedule
-    momentum: Schedule | None  # OneCycle's beta1 / SGD momentum cycle, else None
+    momentum: Schedule | None  # OneCycle's beta1 cycle (optimizers with betas), else None
 
 
-def resolve_params(sched: SchedulerConfig, cfg: Config, base_lr: float) -> dict[str, Any]:
-    """Validated params with defaults filled in and ``"auto"`` resolved; raises ConfigError."""
-    name = canonical_name(sched.type)
-    table = PARAMS[name]
-    out = {}
-    for key, value in sched.params.items():
-        where = f"scheduler.params.{key}"
-        if key not in table:
-            raise unknown(where, f"key for {name}", key, table)
-        if value == AUTO:
-            value = _auto(key, cfg, base_lr)
-        elif key in ("warmup_type",):
-            if value not in ("log", "linear"):
-                raise ConfigError(f"{where}: {value!r} is not one of 'log', 'linear'")
-        elif isinstance(table[key], bool):
-            if not isinstance(value, bool):
-                raise ConfigError(f"{where}: expected true or false, got {value!r}")
-        elif value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            raise ConfigError(f"{where}: expected a number, got {type(value).__name__} {value!r}")
-        out[key] = value
-    for key, default in table.items():
-        if key not in out:
-            if default is REQUIRED:
-                raise ConfigError(f"scheduler.params.{key}: required by {name}")
-            out[key] = default
-    if out["last_batch_iteration"] != -1:
+def validate(cfg: Config) -> SchedulerConfig | None:
+    """``cfg.scheduler`` with its canonical type and every param checked, defaults filled in and
+    ``"auto"`` resolved (``warmup_max_lr`` <- the optimizer's lr, ``total_num_steps`` <-
+    ``jzero.train.steps``). Needs the resolved optimizer section (its lr)."""
+    sched = cfg.scheduler
+    if sched is None:
+        return None
+    name = canonical("scheduler", sched.type, PARAMS)
+
+    def auto(key: str) -> Any:
+        sources = {"warmup_max_lr": cfg.optimizer.params["lr"], "total_num_steps": cfg.jzero.train.steps}
+        if key not in sources:
+            raise ConfigError(f"scheduler.params.{key}: 'auto' has no source in jzero; set a number")
+        return sources[key]
+
+    params = resolve("scheduler", name, PARAMS[name], sched.params, auto=auto)
+    if params["last_batch_iteration"] != -1:
         raise ConfigError("scheduler.params.last_batch_iteration: jzero resumes schedules from checkpoints; "
                           "valid: -1")
     for key in ("warmup_num_steps", "lr_range_test_step_size", "cycle_first_step_size"):
-        if key in out and not (isinstance(out[key], (int, float)) and out[key] > 0):
-            raise ConfigError(f"scheduler.params.{key}: must be a positive number, got {out[key]!r}")
-    return out
-
-
-def canonical_name(name: str) -> str:
-    by_lower = {k.lower(): k for k in PARAMS}
-    if name.lower() not in by_lower:
-        raise unknown("scheduler.type", f"scheduler '{name}'", name, PARAMS, cutoff=0.5)
-    return by_lower[name.lower()]
-
-
-def validate_scheduler(sched: SchedulerConfig, cfg: Config) -> None:
-    from jzero.optim import base_lr
-
-    resolve_params(sched, cfg, base_lr(cfg.optimizer))
-
-
-def _auto(key: str, cfg: Config, base_lr: float) -> Any:
-    if key == "warmup_max_lr":
-        return base_lr
-    if key == "total_num_steps":
-        return cfg.jzero.train.steps
-    raise ConfigError(f"scheduler.params.{key}: 'auto' has no source in jzero; set a number")
+        if key in params and not (isinstance(params[key], (int, float)) and params[key] > 0):
+            raise ConfigError(f"scheduler.params.{key}: must be a positive number, got {params[key]!r}")
+    if params.get("warmup_max_lr", 0) is None:
+        params["warmup_max_lr"] = cfg.optimizer.params["lr"]
+    return SchedulerConfig(type=name, params=params)
 
 
 def build(cfg: Config, base_lr: float, *, cycles_betas: bool = True) -> Schedules:
-    """The lr (and beta1) applied at each optimizer step for ``cfg.scheduler``; constant
-    ``base_lr`` when absent. ``cycles_betas``: the optimizer has betas for OneCycle to cycle."""
+    """The lr (and beta1) applied at each optimizer step for the resolved ``cfg.scheduler``
+    (`validate`); constant ``base_lr`` when absent. ``cycles_betas``: the optimizer has betas for OneCycle to cycle."""
     if cfg.scheduler is None:
         return Schedules(lambda t: jnp.asarray(base_lr, jnp.float32), None)
-    name = canonical_name(cfg.scheduler.type)
-    p = resolve_params(cfg.scheduler, cfg, base_lr)
+    name, p = cfg.scheduler.type, dict(cfg.scheduler.params)
     if p.get("warmup_max_lr", 0) is None:
         p["warmup_max_lr"] = base_lr
     formula = _BUILDERS[name](p, base_lr)

@@ -23,7 +23,8 @@ from typing import Any, NamedTuple
 
 import jax
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jzero.mesh import DATA_AXES
 

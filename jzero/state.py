@@ -19,6 +19,7 @@ from jax.sharding import Mesh
 from jzero import optim, precision, sharding, treepath
 from jzero.config import Config, ConfigError
 from jzero.mesh import data_parallel_size, make_mesh
+from jzero.resolve import resolve_auto_sizes
 
 LossFn = Callable[[Any, Any, jax.Array], Any]
 
@@ -124,7 +125,6 @@ def _prepare(init_fn, config, rng, mesh, model_specs) -> _Prepared:
     mesh = mesh if mesh is not None else make_mesh(config)
     config = config.for_dp(data_parallel_size(mesh))
     key = jax.random.key(rng) if isinstance(rng, int) else rng
-    opt = optim.build(config)
     pol = precision.policy(config)
 
     def make_params(k):
@@ -133,6 +133,8 @@ def _prepare(init_fn, config, rng, mesh, model_specs) -> _Prepared:
     params_shape = jax.eval_shape(make_params, key)
     if not jax.tree.leaves(params_shape):
         raise ConfigError("init_fn returned no parameters (an empty pytree)")
+    config = resolve_auto_sizes(config, params_shape)
+    opt = optim.build(config)
     plan = sharding.plan(params_shape, opt.tx, mesh, config.zero_optimization.stage,
                          persistence_threshold=config.zero_optimization.stage3_param_persistence_threshold,
                          model_specs=model_specs)

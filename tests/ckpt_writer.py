@@ -15,7 +15,7 @@ def make():
     """(init_fn, loss_fn, config) of the state the writer saves."""
     def init_fn(rng):
         keys = jax.random.split(rng, len(SHAPES))
-        return {name: jax.random.normal(k, shape) for k, (name, shape) in zip(keys, SHAPES.items())}
+        return {name: jax.random.normal(k, shape) for k, (name, shape) in zip(keys, SHAPES.items(), strict=True)}
 
     def loss_fn(params, batch, rng):
         return jnp.mean((jnp.tanh(batch @ params["w1"]) @ params["w2"] + params["b"]) ** 2)

@@ -1,4 +1,4 @@
-"""Checkpoints (DESIGN §6): restore onto any mesh and stage, exact resume of `jzero train` after
+"""Checkpoints (docs/design.md, "Checkpoints"): restore onto any mesh and stage, exact resume of `jzero train` after
 SIGKILL, SIGTERM saves, a save killed halfway is ignored, damaged files fall back to the previous
 step, and exported safetensors weights give the trained model's logits."""
 import dataclasses
@@ -8,24 +8,41 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 import tracemalloc
 import warnings
 from pathlib import Path
 
+import ckpt_writer
 import jax
 import numpy as np
 import pytest
 from safetensors import safe_open
 
 import jzero
-from jzero.checkpoint import (CheckpointError, CheckpointMismatchError, Checkpointer, CheckpointWarning, checksum,
-                              host_checksum)
+from jzero.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointWarning,
+    checksum,
+    host_checksum,
+)
 from jzero.models import gpt
 
-import ckpt_writer
-from test_cli import FAST, ROOT, TINY, cli_env, jzero_cli, read_csv
-from test_equivalence import GPT_CFG, MODELS, assert_params_close, config, reference
+from helpers import (
+    FAST,
+    GPT_CFG,
+    MODELS,
+    ROOT,
+    TINY,
+    assert_params_close,
+    cli_env,
+    config,
+    jzero_cli,
+    read_csv,
+    reference,
+    wait_for,
+)
 
 SAVE_AT = 5  # of the 10 reference steps
 
@@ -36,7 +53,7 @@ def host(tree):
 
 def assert_equal_trees(a, b):
     assert jax.tree.structure(a) == jax.tree.structure(b)
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
@@ -167,7 +184,7 @@ def test_save_killed_halfway_is_ignored(tmp_path):
         try:
             while proc.stdout.readline().strip() != "saved 3":
                 assert proc.poll() is None, "the writer died"
-            partial = _wait_for(lambda: list(directory.glob("*.orbax-checkpoint-tmp*")), timeout=60)
+            partial = wait_for(lambda: list(directory.glob("*.orbax-checkpoint-tmp*")), timeout=60)
             proc.send_signal(signal.SIGKILL)
             proc.wait(timeout=60)
         finally:
@@ -261,7 +278,7 @@ def test_train_resumes_exactly_after_sigkill(tmp_path, stage):
                              *zero, *SLOW_EVAL], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=cli_env(),
                             cwd=ROOT)
     try:
-        _wait_for(lambda: (killed / "checkpoints" / "6").is_dir() or proc.poll() is not None, timeout=240)
+        wait_for(lambda: (killed / "checkpoints" / "6").is_dir() or proc.poll() is not None, timeout=240)
         assert proc.poll() is None, proc.stderr.read()[-2000:]
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=60)
@@ -289,7 +306,7 @@ def test_signal_saves_and_exits_with_one_line(tmp_path, sig):
                              "--devices", "2", "--steps", "100000", "--set", "steps_per_print=1000"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=cli_env(), cwd=ROOT)
     try:
-        _wait_for(lambda: len(read_csv(out / "metrics.csv")) >= 1 if (out / "metrics.csv").exists() else
+        wait_for(lambda: len(read_csv(out / "metrics.csv")) >= 1 if (out / "metrics.csv").exists() else
                   proc.poll() is not None, timeout=240)
         proc.send_signal(sig)
         rc = proc.wait(timeout=120)
@@ -303,13 +320,3 @@ def test_signal_saves_and_exits_with_one_line(tmp_path, sig):
     assert stderr.strip().splitlines() == [f"jzero: {sig.name} received: saved step {saved[0]} in "
                                            f"{out / 'checkpoints'}; run the same command to resume"]
     assert int(read_csv(out / "metrics.csv")[-1]["step"]) == saved[0]
-
-
-def _wait_for(condition, timeout):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        result = condition()
-        if result:
-            return result
-        time.sleep(0.005)
-    pytest.fail(f"timed out after {timeout} s")

@@ -1,35 +1,9 @@
 """`jzero train` end to end in a subprocess: every stage writes a well-formed metrics.csv, the
 same seed gives the same losses, and bad input ends with one line and exit code 2."""
-import csv
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = ROOT / "configs" / "gpt_tiny.json"
-FAST = ["--steps", "4", "--set", "jzero.train.eval_interval=2", "--set", "jzero.train.eval_batches=1",
-        "--set", "steps_per_print=1", "--set", "jzero.model.d_model=32", "--set", "jzero.model.d_ff=64",
-        "--set", "jzero.model.seq_len=16", "--set", "jzero.data.max_bytes=200000"]
-
-
-def cli_env():
-    """The test environment for a jzero subprocess: its own device count, the cheap XLA pipeline."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"  # compile time dominates these tiny runs
-    return env
-
-
-def jzero_cli(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "jzero.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=cli_env(), cwd=ROOT)
-
-
-def read_csv(path):
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
+from helpers import FAST, TINY, jzero_cli, read_csv
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -77,6 +51,16 @@ def test_bad_input_is_one_line_and_exit_2(args, message):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("jzero: error: ") and message in lines[0], proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_warnings_reach_cli_users_as_one_line():
+    """A warning is one `jzero: warning:` line (no source location, no code line), then the error."""
+    proc = jzero_cli("estimate", str(TINY), "--devices", "1", "--set", "flops_profiler.enabled=false",
+                     "--set", "steps_per_print=0", timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [
+        "jzero: warning: jzero ignores these DeepSpeed sections (no effect under XLA): flops_profiler",
+        "jzero: error: steps_per_print: must be >= 1, got 0"]
 
 
 def test_estimate_1_3b_on_64_devices_matches_zero3_formula():

@@ -4,11 +4,12 @@ independently of jzero/schedules.py)."""
 import json
 import math
 
+import jax
 import jax.numpy as jnp
 import pytest
 
 import jzero
-from jzero import optim, schedules
+from jzero import models, optim, schedules
 from jzero.config import ConfigError, ConfigWarning
 
 
@@ -121,15 +122,35 @@ def test_full_deepspeed_config_loads_and_warns_about_noops(tmp_path):
     with pytest.warns(ConfigWarning, match="flops_profiler"):
         cfg = jzero.load_config(path, dp_size=8)
     assert cfg.gradient_accumulation_steps == 2 and cfg.seed == 7 and cfg.bf16.enabled
-    h = 64  # the tiny GPT's hidden size resolves the zero "auto" keys (HF's rules)
-    assert cfg.zero_optimization.reduce_bucket_size == h * h
-    assert cfg.zero_optimization.stage3_prefetch_bucket_size == int(0.9 * h * h)
-    assert cfg.zero_optimization.stage3_param_persistence_threshold == 10 * h
+    model = models.build(cfg)
+    zero = jzero.abstract_init(model.init_fn, cfg, loss_fn=model.loss_fn).config.zero_optimization
+    h = 64  # the trained model's hidden size (the tiny GPT's) resolves the zero "auto" keys (HF's rules)
+    assert zero.reduce_bucket_size == h * h
+    assert zero.stage3_prefetch_bucket_size == int(0.9 * h * h)
+    assert zero.stage3_param_persistence_threshold == 10 * h
     sched = schedules.build(cfg, 2e-4)
     # auto: max <- lr, T <- steps. Probe inside the decay (at the warmup's end the factor is 1 for any T):
     # optimizer step 201 applies get_lr(200) = max * (T - 200) / (T - W).
     assert float(sched.lr(201)) == pytest.approx(2e-4 * (500 - 200) / (500 - 10), rel=1e-6)
     assert cfg.to_dict()["optimizer"]["params"]["lr"] == 2e-4
+
+
+def test_auto_zero_sizes_come_from_the_users_own_model():
+    """A plain-function model with hidden size 48 gets its own sizes, not a reference preset's."""
+    def init_fn(rng):
+        k1, k2 = jax.random.split(rng)
+        return {"w1": jax.random.normal(k1, (16, 48)), "b1": jnp.zeros(48), "w2": jax.random.normal(k2, (48, 8))}
+
+    def loss_fn(params, batch, rng):
+        return jnp.mean((jnp.tanh(batch["x"] @ params["w1"] + params["b1"]) @ params["w2"]) ** 2)
+
+    cfg = jzero.load_config({"train_batch_size": 8, "zero_optimization": {
+        "stage": 3, "reduce_bucket_size": "auto", "stage3_param_persistence_threshold": "auto"}}, dp_size=8)
+    assert cfg.zero_optimization.stage3_param_persistence_threshold == "auto"  # unknown until the model is
+    state = jzero.init(init_fn, cfg, loss_fn=loss_fn, rng=0)
+    assert state.config.zero_optimization.reduce_bucket_size == 48 * 48
+    assert state.config.zero_optimization.stage3_param_persistence_threshold == 480
+    assert state.plan.params["b1"].spec == jax.sharding.PartitionSpec()  # 48 < 480 elements: kept whole
 
 
 def test_missing_file_and_bad_json(tmp_path):

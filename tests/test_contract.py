@@ -1,6 +1,7 @@
-"""The memory and communication contract (DESIGN §4), read from the compiled step on 8 simulated
-devices: persistent bytes/param, transient gradient memory, collectives and their dtypes, and the
-ZeRO paper's communication volume. fp32 master params + AdamW throughout."""
+"""The memory and communication contract (docs/design.md, "Memory and communication contract"),
+read from the compiled step on 8 simulated devices: persistent bytes/param, transient gradient
+memory, collectives and their dtypes, and the ZeRO paper's communication volume. fp32 master
+params + AdamW throughout."""
 import functools
 
 import jax
@@ -10,7 +11,7 @@ import jzero
 from jzero import profile
 from jzero.models import gpt
 
-from conftest import token_batches
+from helpers import token_batches
 
 N = 8
 BASE = dict(vocab_size=64, seq_len=16, d_model=64, n_heads=4, d_ff=256, remat="full")

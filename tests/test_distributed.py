@@ -13,8 +13,8 @@ import pytest
 import jzero
 from jzero import distributed
 from jzero.config import ConfigError
-from test_checkpoint import _wait_for
-from test_cli import FAST, ROOT, TINY, cli_env, jzero_cli, read_csv
+
+from helpers import FAST, ROOT, TINY, cli_env, jzero_cli, read_csv, wait_for
 
 ARGS = [*FAST, "--devices", "8", "--set", "jzero.checkpoint.interval=3"]
 
@@ -74,7 +74,7 @@ def test_launch_stops_the_run_when_a_process_dies_and_the_rerun_resumes(tmp_path
             assert line, "launcher ended early"
             if line.startswith("jzero launch: rank"):
                 pids[int(line.split()[3])] = int(line.split()[5])
-        _wait_for(lambda: (out / "checkpoints" / "2").is_dir() or proc.poll() is not None, timeout=240)
+        wait_for(lambda: (out / "checkpoints" / "2").is_dir() or proc.poll() is not None, timeout=240)
         assert proc.poll() is None
         os.kill(pids[1], signal.SIGKILL)
         killed_at = time.monotonic()

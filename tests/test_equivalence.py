@@ -1,82 +1,14 @@
 """Every ZeRO stage, device count and accumulation setting reproduces a plain single-device
-jit + optax loop (DESIGN §7): losses rtol 1e-5, params rtol 1e-4, fp32, 10 AdamW steps."""
+jit + optax loop (docs/design.md, "Tests"): losses rtol 1e-5, params rtol 1e-4, fp32, 10 AdamW steps."""
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 import jzero
-from jzero.models import gpt
 
-from conftest import token_batches
-
-# eps 1e-6 (not torch's 1e-8): with 1e-8, a weight whose gradient is ~1e-10 at some step gets an
-# Adam step of ~lr * g / |g| whose size is decided by reduction-order rounding (seen at lr 3e-3:
-# one fc weight off by 1.4e-5 between 8 devices and 1). 1e-6 keeps the problem well conditioned
-# without touching the tolerances.
-STEPS, BATCH, LR, WD, EPS = 10, 32, 1e-3, 0.01, 1e-6
-GPT_CFG = gpt.GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=2, d_ff=64, remat="full")
-
-
-def mlp_fns():
-    """A plain-function (no Flax, no scan) model: 2-layer MLP regression."""
-    def init_fn(rng):
-        k1, k2 = jax.random.split(rng)
-        return {"w1": jax.random.normal(k1, (16, 64)) * 0.3, "b1": jnp.zeros(64),
-                "w2": jax.random.normal(k2, (64, 8)) * 0.3, "b2": jnp.zeros(8)}
-
-    def loss_fn(params, batch, rng):
-        h = jnp.tanh(batch["x"] @ params["w1"] + params["b1"])
-        return jnp.mean((h @ params["w2"] + params["b2"] - batch["y"]) ** 2)
-
-    return init_fn, loss_fn
-
-
-def mlp_batches():
-    rng = np.random.default_rng(1)
-    return [{"x": rng.normal(size=(BATCH, 16)).astype(np.float32),
-             "y": rng.normal(size=(BATCH, 8)).astype(np.float32)} for _ in range(STEPS)]
-
-
-MODELS = {
-    "gpt": (lambda: gpt.make(GPT_CFG), lambda: token_batches(STEPS, BATCH, GPT_CFG.seq_len, GPT_CFG.vocab_size)),
-    "mlp": (mlp_fns, mlp_batches),
-}
-
-
-def config(stage, accum):
-    return jzero.load_config({
-        "train_batch_size": BATCH, "gradient_accumulation_steps": accum,
-        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
-        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD, "eps": EPS}},
-        "gradient_clipping": 0.0,  # the plain loop does not clip (DeepSpeed's default would: 1.0)
-    })
-
-
-@functools.cache
-def reference(model):
-    """The plain loop: one device, whole batch, optax.adamw."""
-    make_fns, make_batches = MODELS[model]
-    init_fn, loss_fn = make_fns()
-    dev = jax.devices()[0]
-    params = jax.device_put(jax.jit(init_fn)(jax.random.key(0)), dev)
-    tx = optax.adamw(LR, eps=EPS, weight_decay=WD)
-    opt_state = tx.init(params)
-
-    @jax.jit
-    def step(params, opt_state, batch):
-        loss, grads = jax.value_and_grad(loss_fn)(params, batch, jax.random.key(0))
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    losses = []
-    for batch in make_batches():
-        params, opt_state, loss = step(params, opt_state, jax.device_put(batch, dev))
-        losses.append(float(loss))
-    return np.array(losses), jax.device_get(params)
+from helpers import BATCH, EPS, LR, MODELS, WD, assert_params_close, config, reference
 
 
 @functools.cache
@@ -93,14 +25,6 @@ def run(model, stage, ndev, accum):
         state, metrics = jzero.train_step(state, batch)
         losses.append(float(metrics["loss"]))
     return np.array(losses), jax.device_get(state.params), init_specs, state
-
-
-def assert_params_close(actual, desired):
-    """rtol 1e-4, with the absolute floor at 1e-4 of the leaf's RMS: elements that cross zero
-    during training (about 0.3% of them) carry the reduction-order noise of Adam's
-    m / sqrt(v) (~3e-7 absolute after 10 steps at lr 3e-3), which no relative bound can hold."""
-    scale = float(np.sqrt(np.mean(np.square(desired)))) or 1.0
-    np.testing.assert_allclose(actual, desired, rtol=1e-4, atol=1e-4 * scale)
 
 
 CASES = [(m, s, n, a) for m in MODELS for s in (0, 1, 2, 3) for n in (8, 2, 1) for a in (1, 4)]
@@ -124,7 +48,7 @@ def test_state_keeps_plan_sharding(stage):
     want = jax.tree.map(lambda s: s.spec, (plan.params, plan.opt_state))
     after = jax.tree.map(lambda x: x.sharding.spec, (state.params, state.opt_state))
     assert jax.tree.structure(want) == jax.tree.structure(after)
-    for w, i, a in zip(jax.tree.leaves(want), jax.tree.leaves(init_specs), jax.tree.leaves(after)):
+    for w, i, a in zip(jax.tree.leaves(want), jax.tree.leaves(init_specs), jax.tree.leaves(after), strict=True):
         assert i == w and a == w, (w, i, a)
     sharded = [s for s in jax.tree.leaves(want[0]) if "fsdp" in tuple(s)]
     assert bool(sharded) == (stage == 3)
@@ -134,7 +58,7 @@ def test_state_keeps_plan_sharding(stage):
 
 def test_stage3_params_hold_one_nth_per_device():
     _, _, _, state = run("gpt", 3, 8, 4)
-    for x, s in zip(jax.tree.leaves(state.params), jax.tree.leaves(state.plan.params)):
+    for x, s in zip(jax.tree.leaves(state.params), jax.tree.leaves(state.plan.params), strict=True):
         if "fsdp" in tuple(s.spec):
             shards = x.addressable_shards
             assert len(shards) == 8

@@ -1,1 +1,30 @@
-"""Reference models used by the CLI, the tests and the benchmarks."""
+"""Reference models by name (``jzero.model.name``): `build` turns a config into a `Model`.
+
+The one place a config becomes (init_fn, loss_fn, batch shapes) for `jzero train`, estimate,
+autotune and profile; the next reference models plug into `MODELS`.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from jzero.config import Config, unknown
+from jzero.models import gpt
+from jzero.models.base import Model
+
+MODELS: dict[str, Callable[[Config], Model]] = {"gpt": gpt.build}
+
+
+def build(config: Config) -> Model:
+    """The reference model the config's ``jzero.model`` section describes (checked)."""
+    name = config.jzero.model.name
+    if name not in MODELS:
+        raise unknown("jzero.model.name", f"model '{name}'", name, MODELS)
+    return MODELS[name](config)
+
+
+def validate(config: Config) -> None:
+    """ConfigError naming the ``jzero.model`` key that is wrong; builds nothing heavy."""
+    build(config)
+
+
+__all__ = ["MODELS", "Model", "build", "validate"]

@@ -12,12 +12,14 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.ad_checkpoint import checkpoint_name
 
 from jzero.adapters import from_linen
-from jzero.config import ConfigError, ModelConfig
+from jzero.config import Config, ConfigError, ModelConfig
 from jzero.layers import scan_layers
+from jzero.models.base import Model
 
 
 @dataclass(frozen=True)
@@ -135,6 +137,24 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
     """Mean next-token cross entropy, computed in fp32."""
     with jax.named_scope("loss"):
         return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets).mean()
+
+
+def build(config: Config) -> Model:
+    """The reference GPT of ``config`` (``jzero.model`` and ``jzero.remat``) as a `Model`:
+    batches are ``{"inputs", "targets"}`` int32 token arrays of shape (batch, seq_len)."""
+    cfg = gpt_config(config.jzero.model, config.jzero.remat)
+    init_fn, loss_fn = make(cfg)
+
+    def batch_spec(batch_size: int) -> dict[str, jax.ShapeDtypeStruct]:
+        return {k: jax.ShapeDtypeStruct((batch_size, cfg.seq_len), jnp.int32) for k in ("inputs", "targets")}
+
+    def example_batch(batch_size: int) -> dict[str, np.ndarray]:
+        tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch_size, cfg.seq_len + 1))
+        return {"inputs": tokens[:, :-1].astype(np.int32), "targets": tokens[:, 1:].astype(np.int32)}
+
+    return Model(name="gpt", spec=cfg, init_fn=init_fn, loss_fn=loss_fn, batch_spec=batch_spec,
+                 example_batch=example_batch, tokens_per_example=cfg.seq_len,
+                 flops=lambda batch_size: model_flops(cfg, batch_size * cfg.seq_len))
 
 
 def make(cfg: GPTConfig) -> tuple[Any, Any]:

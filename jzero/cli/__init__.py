@@ -1,0 +1,56 @@
+"""The ``jzero`` command line: one module per command, each with its own sub-parser.
+
+``train`` (`jzero.cli.train`), ``launch``, ``estimate``, ``profile``, ``autotune``, ``export``
+and ``bench``. On a CPU-only host the devices a run asks for (``--devices`` or
+``jzero.mesh.devices``) are simulated: the XLA flag is set before any JAX backend starts. Bad
+input ends with one line on stderr and exit code 2, Ctrl-C with one line and exit code 130, and
+every warning is one line, ``jzero: warning: ...`` (library users keep Python's warnings).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from typing import Any
+
+from jzero.cli import autotune, bench, estimate, export, launch, profile, train
+from jzero.cli.common import UsageError
+
+EXIT_USAGE, EXIT_INTERRUPTED = 2, 130
+COMMANDS = (train, launch, autotune, profile, export, estimate, bench)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    warnings.showwarning = _one_line_warning
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print("jzero: interrupted by Ctrl-C; stopped cleanly", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except UsageError as e:
+        print(f"jzero: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except Exception as e:  # ConfigError, CheckpointError: one line, no traceback
+        from jzero.checkpoint import CheckpointError
+        from jzero.config import ConfigError
+
+        if isinstance(e, (ConfigError, CheckpointError)):
+            print(f"jzero: error: {e}", file=sys.stderr)
+            return EXIT_USAGE
+        raise
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="jzero", description="DeepSpeed's training engine on JAX/XLA.")
+    sub = top.add_subparsers(dest="command", required=True)
+    for command in COMMANDS:
+        command.add_parser(sub)
+    return top
+
+
+def _one_line_warning(message: Any, category: type, filename: str, lineno: int, file: Any = None,
+                      line: str | None = None) -> None:
+    """`warnings.showwarning` for the CLI: one line, no source location or code line."""
+    text = " ".join(str(message).split())
+    print(f"jzero: warning: {text}", file=sys.stderr if file is None else file)

@@ -1,0 +1,47 @@
+"""``jzero estimate CONFIG --devices N``: per-device memory and communication of the compiled
+step on abstract shapes (see `jzero.estimate`)."""
+from __future__ import annotations
+
+import argparse
+import json
+
+from jzero.cli.common import add_config_arguments, config_on_devices, fmt
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    est = sub.add_parser("estimate", help="per-device memory and communication from the compiled step")
+    add_config_arguments(est, devices_required=True)
+    est.add_argument("--stage", type=int, action="append", choices=[0, 1, 2, 3],
+                     help="ZeRO stage(s) to estimate (repeatable; default: the config's)")
+    est.add_argument("--peak-flops", type=float, help="device peak FLOP/s: prints the step time floor")
+    est.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    est.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    raw = config_on_devices(args)
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from jzero.estimate import estimate
+    from jzero.resolve import load_config
+
+    config = load_config(raw)
+    stages = args.stage or [config.zero_optimization.stage]
+    rows = [estimate(config, stage).row() for stage in stages]
+    if args.peak_flops:
+        for row in rows:
+            row["step_time_floor_s"] = row["tflops_per_step"] * 1e12 / args.peak_flops
+    if args.json:
+        print(json.dumps({"config": args.config, "devices": args.devices, "stages": rows}, indent=2))
+        return 0
+    table = Table(title=f"jzero estimate: {args.config}, {args.devices} devices, per device")
+    table.add_column("quantity")
+    for row in rows:
+        table.add_column(f"ZeRO-{row['stage']}", justify="right")
+    for key in rows[0]:
+        if key != "stage":
+            table.add_row(key.replace("_", " "), *(fmt(row[key]) for row in rows))
+    Console().print(table)
+    return 0

@@ -1,0 +1,156 @@
+"""`load_config`: a DeepSpeed/jzero config parsed, checked and resolved, ready to train.
+
+`jzero.config` parses the schema; this module adds jzero's policy on top and is the one place
+each section's owner checks and resolves it: the optimizer (`jzero.optim.validate`), the
+scheduler (`jzero.schedules.validate`), the remat policy (`jzero.remat.validate`) and the
+reference model (`jzero.models.validate`). Resolved optimizer and scheduler params (defaults
+filled in, ``"auto"`` replaced) are stored in the Config once, so nothing re-resolves them.
+DeepSpeed features jzero refuses raise `ConfigError`; diagnostics sections it accepts as no-ops
+warn once. ``"auto"`` ZeRO sizes are resolved from the model actually trained, when its params'
+shapes are known (`resolve_auto_sizes`, called by `jzero.init`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+from collections import Counter
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+
+from jzero import models, optim, remat, schedules
+from jzero.config import (
+    AUTO,
+    AUTO_SIZES,
+    Config,
+    ConfigError,
+    ConfigWarning,
+    ZeroConfig,
+    parse_config,
+    read_json,
+    with_hidden_size,
+)
+
+# DeepSpeed features jzero refuses (they change what is trained or where memory lives).
+UNSUPPORTED_SECTIONS = {
+    "pipeline": "pipeline parallelism is not implemented; jzero shards with ZeRO over the mesh",
+    "moe": "mixture-of-experts layers are not implemented",
+    "sparse_attention": "DeepSpeed sparse attention kernels are not implemented",
+    "amp": "NVIDIA apex AMP does not exist in JAX; use the bf16 or fp16 section",
+    "compression_training": "compression training is not implemented",
+    "curriculum_learning": "curriculum learning is not implemented",
+    "data_efficiency": "data-efficiency sampling is not implemented",
+    "elasticity": "elastic training is not implemented; checkpoints restore onto any mesh instead",
+    "aio": "NVMe offload (aio) is not implemented",
+    "wandb": "Weights & Biases monitoring is not implemented; use tensorboard or csv_monitor",
+    "comet": "Comet monitoring is not implemented; use tensorboard or csv_monitor",
+    "hybrid_engine": "the RLHF hybrid engine is not implemented",
+    "sequence_parallel_size": "sequence parallelism is not implemented",
+    "tensor_parallel": "DeepSpeed AutoTP is not implemented; give the model PartitionSpecs instead",
+}
+# Diagnostics sections accepted as no-ops (warned once).
+NOOP_SECTIONS = {"flops_profiler", "comms_logger", "autotuning", "checkpoint", "gradient_predivide",
+                 "zero_optimization_stage"}
+
+
+def load_config(source: str | os.PathLike | Mapping[str, Any], *, dp_size: int | None = None) -> Config:
+    """Parse, check and resolve a jzero/DeepSpeed config (a JSON file path or a dict).
+
+    ``dp_size`` is the data-parallel size the batch rule is checked against; by default the
+    number of devices the config's mesh will use (``jzero.mesh.devices`` or all devices).
+    """
+    raw = {k: v for k, v in read_json(source).items() if not k.startswith("_comment")}
+    for key in raw:
+        if key in UNSUPPORTED_SECTIONS and _enabled(raw[key]):
+            raise ConfigError(f"{key}: not supported by jzero: {UNSUPPORTED_SECTIONS[key]}")
+    noops = sorted(k for k in raw if k in NOOP_SECTIONS or k in UNSUPPORTED_SECTIONS)
+    cfg = parse_config({k: v for k, v in raw.items() if k not in noops}, dp_size)
+    if cfg.activation_checkpointing is not None and "remat" not in raw.get("jzero", {}):
+        remat_name = "offload" if cfg.activation_checkpointing.cpu_checkpointing else "full"
+        cfg = dataclasses.replace(cfg, jzero=dataclasses.replace(cfg.jzero, remat=remat_name))
+    _check_unsupported_zero(cfg.zero_optimization)
+    if noops:
+        warnings.warn(f"jzero ignores these DeepSpeed sections (no effect under XLA): {', '.join(noops)}",
+                      ConfigWarning, stacklevel=2)
+    if cfg.gradient_clipping == AUTO:
+        raise ConfigError("gradient_clipping: 'auto' has no source in jzero (no HF TrainingArguments); "
+                          "set a number (0 = off)")
+    _check_ranges(cfg)
+    remat.validate(cfg.jzero.remat)
+    models.validate(cfg)
+    cfg = dataclasses.replace(cfg, optimizer=optim.validate(cfg.optimizer), source=raw)
+    return dataclasses.replace(cfg, scheduler=schedules.validate(cfg))
+
+
+def resolve_auto_sizes(config: Config, params_shape: Any) -> Config:
+    """``config`` with ``"auto"`` ZeRO sizes (HF's rules: h², 0.9·h², 10·h) resolved from the
+    hidden size of the model actually trained, read from its params' shapes (`hidden_size`)."""
+    zero = config.zero_optimization
+    if not any(getattr(zero, key) == AUTO for key in AUTO_SIZES):
+        return config
+    return with_hidden_size(config, hidden_size(params_shape))
+
+
+def hidden_size(params_shape: Any) -> int:
+    """The model's hidden size: the dimension its params share most (every leaf's dims counted,
+    a stacked layer dimension included; ties go to the larger size). For a transformer that is
+    d_model: it sizes the embeddings, every projection and every norm."""
+    counts = Counter(d for leaf in jax.tree.leaves(params_shape) for d in leaf.shape)
+    if not counts:
+        raise ConfigError("zero_optimization: 'auto' sizes need a model with parameters")
+    return max(counts, key=lambda d: (counts[d], d))
+
+
+def _enabled(value: Any) -> bool:
+    if isinstance(value, Mapping):
+        return bool(value.get("enabled", True)) and bool(value)
+    return bool(value)
+
+
+def _check_unsupported_zero(zero: ZeroConfig) -> None:
+    for name in ("offload_optimizer", "offload_param"):
+        device = getattr(zero, name).device
+        if device != "none":
+            raise ConfigError(f"zero_optimization.{name}.device: '{device}' offload is not supported "
+                              "(valid: 'none'); ZeRO-3 sharding over more devices is the jzero way")
+    for name in ("zero_quantized_weights", "zero_quantized_gradients"):
+        if getattr(zero, name):
+            raise ConfigError(f"zero_optimization.{name}: quantized ZeRO++ collectives are not supported "
+                              "(valid: false)")
+    if zero.mics_shard_size > 0:
+        raise ConfigError("zero_optimization.mics_shard_size: MiCS is not supported; "
+                          "use zero_hpz_partition_size for hierarchical sharding")
+
+
+def _positive(where: str, value: Any, minimum: float = 1) -> None:
+    if value is not None and value != AUTO and value < minimum:
+        raise ConfigError(f"{where}: must be >= {minimum}, got {value}")
+
+
+def _check_ranges(cfg: Config) -> None:
+    _positive("steps_per_print", cfg.steps_per_print)
+    _positive("gradient_clipping", cfg.gradient_clipping, 0)
+    zero = cfg.zero_optimization
+    _positive("zero_optimization.zero_hpz_partition_size", zero.zero_hpz_partition_size)
+    _positive("zero_optimization.stage3_param_persistence_threshold", zero.stage3_param_persistence_threshold, 0)
+    fp16 = cfg.fp16
+    if cfg.bf16.enabled and fp16.enabled:
+        raise ConfigError("bf16.enabled and fp16.enabled: choose one mixed-precision mode")
+    _positive("fp16.loss_scale", fp16.loss_scale, 0)
+    _positive("fp16.loss_scale_window", fp16.loss_scale_window)
+    _positive("fp16.hysteresis", fp16.hysteresis)
+    _positive("fp16.initial_scale_power", fp16.initial_scale_power, 0)
+    if fp16.min_loss_scale <= 0:
+        raise ConfigError(f"fp16.min_loss_scale: must be > 0, got {fp16.min_loss_scale}")
+    if cfg.jzero.max_loss_scale < max(fp16.min_loss_scale, 1.0):
+        raise ConfigError(f"jzero.max_loss_scale: must be >= fp16.min_loss_scale, got {cfg.jzero.max_loss_scale}")
+    _positive("jzero.mesh.devices", cfg.jzero.mesh.devices)
+    _positive("jzero.mesh.fsdp", cfg.jzero.mesh.fsdp)
+    for key in ("steps", "eval_interval", "eval_batches"):
+        _positive(f"jzero.train.{key}", getattr(cfg.jzero.train, key))
+    _positive("jzero.checkpoint.interval", cfg.jzero.checkpoint.interval)
+    _positive("jzero.checkpoint.max_to_keep", cfg.jzero.checkpoint.max_to_keep)
+    if not 0 < cfg.jzero.data.heldout_fraction < 1:
+        raise ConfigError(f"jzero.data.heldout_fraction: must be in (0, 1), got {cfg.jzero.data.heldout_fraction}")
