@@ -16,7 +16,7 @@ _EXPORTS = {
     "Checkpointer": "jzero.checkpoint", "CheckpointWarning": "jzero.checkpoint",
     "Config": "jzero.config", "ConfigError": "jzero.config", "ConfigWarning": "jzero.config",
     "load_config": "jzero.resolve",
-    "export": "jzero.export", "load_params": "jzero.export",
+    "export": "jzero.weights", "load_params": "jzero.weights",
     "make_mesh": "jzero.mesh", "Plan": "jzero.sharding",
     "TrainState": "jzero.state", "abstract_init": "jzero.state", "init": "jzero.state",
     "train_step": "jzero.step",

@@ -92,3 +92,15 @@ def test_module_and_function_sizes(name):
     long = [f"{f.name} ({f.end_lineno - f.lineno + 1} lines)" for f in functions
             if f.end_lineno - f.lineno + 1 > MAX_FUNCTION_LINES]
     assert not long, f"{name}: functions over {MAX_FUNCTION_LINES} lines: {', '.join(long)}"
+
+
+def test_no_public_name_is_shadowed_by_a_submodule():
+    """`jzero/__init__` loads public names lazily; a submodule with the same name (jzero.export
+    and the function export once) would replace the function with the module once imported."""
+    import jzero
+
+    submodules = {name.split(".")[1] for name in MODULES if name.count(".") >= 1}
+    assert not set(jzero.__all__) & submodules
+    for name in jzero.__all__:
+        assert getattr(jzero, name) is not None
+    assert callable(jzero.export) and callable(jzero.load_params)
