@@ -18,7 +18,7 @@ import jax
 from jzero import models, profile
 from jzero.config import Config
 from jzero.mesh import make_mesh
-from jzero.sharding import is_stacked
+from jzero.sharding import ZERO_RULES, is_stacked
 from jzero.state import TrainState, abstract_init
 from jzero.step import train_step
 
@@ -32,7 +32,7 @@ class Estimate:
     mesh: dict[str, int]
     num_params: int
     memory: profile.MemoryReport
-    grads_bytes: int  # the reduced-gradient buffer per device (Plan.grads), part of temp
+    grads_bytes: int  # the gradient buffer per device (full at stages 0-1, else Plan.grads), part of temp
     comm_elements: int
     comm_ring_bytes: float
     flops: float
@@ -55,7 +55,7 @@ class Estimate:
             "zero_paper_gib": a.paper_bytes / GiB,
             "deepspeed_estimate_gib": a.deepspeed_bytes / GiB,
             "comm_elements_per_param": self.comm_elements / n,
-            "zero_paper_comm_per_param_per_micro_batch": a.comm_elements / n,
+            "deepspeed_comm_per_param": a.comm_elements / n,
             "comm_ring_gib": self.comm_ring_bytes / GiB,
             "tflops_per_step": self.flops / 1e12,
             "compile_s": self.compile_s,
@@ -91,14 +91,18 @@ def estimate(config: Config, stage: int | None = None) -> Estimate:
     cfg, mesh = state.config, state.plan.mesh
     mem = profile.memory(compiled)
     comm = profile.comm(compiled)
+    # Stages 0-1 hold each device's full, unreduced gradient until the step's one reduction.
+    layouts = [None] * len(jax.tree.leaves(state.params)) if ZERO_RULES[cfg.zero_optimization.stage].reduce_once \
+        else jax.tree.leaves(state.plan.grads)
     grads = sum(profile.shard_bytes(x.shape, x.dtype, s)
-                for x, s in zip(jax.tree.leaves(state.params), jax.tree.leaves(state.plan.grads), strict=True))
+                for x, s in zip(jax.tree.leaves(state.params), layouts, strict=True))
     layer = sum(math.prod(x.shape[1:]) for path, x in jax.tree_util.tree_flatten_with_path(state.params)[0]
                 if is_stacked(path))  # one layer of the scanned stack: DeepSpeed's largest layer
     return Estimate(stage=cfg.zero_optimization.stage, accumulation=cfg.gradient_accumulation_steps,
                     mesh=dict(mesh.shape), num_params=mem.num_params,
                     memory=mem, grads_bytes=grads, comm_elements=comm.total_elements(),
                     comm_ring_bytes=comm.total_ring_bytes(), flops=profile.flops(compiled),
-                    analytic=profile.analytic(mem.num_params, cfg.zero_optimization.stage,
-                                              mesh.shape["fsdp"], largest_layer_params=layer),
+                    analytic=profile.analytic(mem.num_params, cfg.zero_optimization.stage, mesh.shape["fsdp"],
+                                              largest_layer_params=layer,
+                                              accumulation=cfg.gradient_accumulation_steps),
                     compile_s=compile_s)

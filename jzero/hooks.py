@@ -1,8 +1,9 @@
 """Per-layer ZeRO hooks inside the scanned layer stack (docs/design.md, "Per-layer hooks"): the
-collectives of stages 1-3 written out explicitly, because GSPMD left to itself gathers activations instead of
-weights, keeps fp32 on the wire, and reduces full gradients where a reduce-scatter is due.
+collectives of stages 2-3 written out explicitly, because GSPMD left to itself gathers
+activations instead of weights, keeps fp32 on the wire, and reduces full gradients where a
+reduce-scatter is due.
 
-While the jzero step traces the loss at stage >= 1 it activates a `HookContext`; `scan_layers`
+While the jzero step traces the loss at stages 2-3 it activates a `HookContext`; `scan_layers`
 then runs each layer under ``jax.shard_map`` over the data axes (activations stay batch-sharded,
 each device computes its local slice) and feeds the block its params through one of three
 custom-VJP hooks, chosen per leaf by the ZeRO table (`jzero.sharding.leaf_specs`):
@@ -11,7 +12,7 @@ custom-VJP hooks, chosen per leaf by the ZeRO table (`jzero.sharding.leaf_specs`
   moved as its raw 16-bit pattern so no backend can widen it; backward: reduce-scatter the
   gradient over "fsdp" (then sum over "replica") in the communication dtype (fp32 unless
   ``communication_data_type`` says otherwise), back to fp32 after.
-* ``sink`` (stored replicated, gradient sharded: stages 1-2, or stage-3 persistent params): use the
+* ``sink`` (stored replicated, gradient sharded: stage 2, or stage-3 persistent params): use the
   local replica; backward: the same reduce-scatter into the gradient's shard.
 * ``replicate`` (nothing divisible): use the local replica; backward: all-reduce (communication dtype).
 
@@ -86,7 +87,7 @@ def _from_wire(x: jax.Array, dtype: Any) -> jax.Array:
     return jax.lax.bitcast_convert_type(x, dtype) if x.dtype == jnp.uint16 else x
 
 
-def _reduce_scatter(ct: jax.Array, dim: int, comm: Any) -> jax.Array:
+def reduce_scatter(ct: jax.Array, dim: int, comm: Any) -> jax.Array:
     """Sum the local gradients in ``comm``: scatter inside the ZeRO group, then add across
     replicas (a group of one device when replica = 1: no data moves); fp32 after."""
     shard = jax.lax.psum_scatter(ct.astype(comm), FSDP, scatter_dimension=dim, tiled=True)
@@ -104,7 +105,7 @@ def _gather_fwd(shard, dim, dtype, comm):
 
 
 def _gather_bwd(dim, dtype, comm, _, ct):
-    return (_reduce_scatter(ct, dim, comm),)
+    return (reduce_scatter(ct, dim, comm),)
 
 
 gather.defvjp(_gather_fwd, _gather_bwd)
@@ -120,7 +121,7 @@ def _sink_fwd(replica, shard, dim, dtype, comm):
 
 
 def _sink_bwd(dim, dtype, comm, _, ct):
-    return None, _reduce_scatter(ct, dim, comm)
+    return None, reduce_scatter(ct, dim, comm)
 
 
 sink.defvjp(_sink_fwd, _sink_bwd)

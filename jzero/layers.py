@@ -45,7 +45,7 @@ def run_stack(apply_layer: Callable[[Any, Any, Any], Any], x: Any, stacked: Any,
               remat_policy: str) -> Any:
     """Scan ``apply_layer(layer_params, x, layer_extra)`` over the leading (layer) axis.
 
-    The one code path of both frameworks. Under the jzero step at stage >= 1 the body is the
+    The one code path of both frameworks. Under the jzero step at stages 2-3 the body is the
     per-layer ZeRO hook (`jzero.hooks`); otherwise a plain scan body under the remat policy.
     """
     policy = remat.policy(remat_policy)

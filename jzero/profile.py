@@ -175,13 +175,18 @@ class Analytic:
     extra: dict[str, float] = field(default_factory=dict)
 
 
-def analytic(num_params: int, stage: int, n: int, *, largest_layer_params: int = 0) -> Analytic:
+def analytic(num_params: int, stage: int, n: int, *, largest_layer_params: int = 0,
+             accumulation: int = 1) -> Analytic:
+    """The formulas for ``num_params`` at ``stage`` over ``n`` shards; ``comm_elements`` per step
+    with ``accumulation`` micro-batches: DeepSpeed's 2 Psi at stages 0-1 (reduced once), (k + 1) Psi
+    at stage 2 and 3k Psi at stage 3 (reduced every micro-batch)."""
     psi = float(num_params)
     paper = {0: 16 * psi, 1: 4 * psi + 12 * psi / n, 2: 2 * psi + 14 * psi / n, 3: 16 * psi / n}[stage]
     deepspeed = {0: 16 * psi, 1: 4 * psi + 12 * psi / n, 2: 2 * psi + 18 * psi / n,
                  3: 4 * largest_layer_params + 18 * psi / n}[stage]
     jzero = {0: 12 * psi, 1: 4 * psi + 8 * psi / n, 2: 4 * psi + 8 * psi / n, 3: 12 * psi / n}[stage]
-    comm_elements = (3 if stage == 3 else 2) * psi
+    k = accumulation
+    comm_elements = {0: 2, 1: 2, 2: k + 1, 3: 3 * k}[stage] * psi
     return Analytic(paper_bytes=paper, deepspeed_bytes=deepspeed, jzero_bytes=jzero, comm_elements=comm_elements)
 
 

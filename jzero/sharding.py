@@ -1,13 +1,21 @@
 """ZeRO stages as sharding rules: one table, read top to bottom, turned into a `Plan`.
 
-A stage says which of the three model states are sharded over the mesh's "fsdp" axis:
+A stage says which of the three model states are sharded over the mesh's "fsdp" axis, and when
+gradients are reduced across devices (k micro-batches per step):
 
-    stage | params (stored) | grads (reduced) | optimizer state
-    ------+-----------------+-----------------+----------------
-      0   | replicated      | replicated      | replicated
-      1   | replicated      | sharded         | sharded
-      2   | replicated      | sharded         | sharded
-      3   | sharded         | sharded         | sharded
+    stage | params (stored) | grads (reduced) | optimizer state | grads reduced       | comm per step
+    ------+-----------------+-----------------+-----------------+---------------------+--------------
+      0   | replicated      | replicated      | replicated      | once, at the end    | 2 Psi
+      1   | replicated      | sharded         | sharded         | once, at the end    | 2 Psi
+      2   | replicated      | sharded         | sharded         | every micro-batch   | (k + 1) Psi
+      3   | sharded         | sharded         | sharded         | every micro-batch   | 3k Psi
+
+"once, at the end": each device accumulates the fp32 gradients of its own rows, unreduced, over
+the k micro-batches and they are reduced once (stage 0: all-reduce; stage 1: reduce-scatter into
+the optimizer-state layout): least communication, one full fp32 gradient (4 B/param) transient.
+"every micro-batch": each layer's gradient is reduce-scattered inside the backward pass, so a
+full gradient never exists: least memory, k reductions. Pick stage 1 over 2 when the 4 B/param
+fit; stage 2 when they do not.
 
 Leaf rule: shard the largest dimension divisible by the fsdp size, never the stacked-layer
 dimension (leading dim of leaves under a ``"stacked"`` key, see `jzero.layers`), and keep any
@@ -33,16 +41,17 @@ STACKED_KEY = "stacked"  # params under this key carry a leading stacked-layer d
 
 
 class ZeroRule(NamedTuple):
-    params: bool
-    grads: bool
-    opt_state: bool
+    params: bool  # stored params sharded
+    grads: bool  # reduced gradients sharded
+    opt_state: bool  # optimizer state sharded
+    reduce_once: bool  # gradients accumulated locally and reduced once per step (else per micro-batch)
 
 
 ZERO_RULES: dict[int, ZeroRule] = {
-    0: ZeroRule(params=False, grads=False, opt_state=False),
-    1: ZeroRule(params=False, grads=True, opt_state=True),  # see docs/design.md: stage 1 == 2 here
-    2: ZeroRule(params=False, grads=True, opt_state=True),
-    3: ZeroRule(params=True, grads=True, opt_state=True),
+    0: ZeroRule(params=False, grads=False, opt_state=False, reduce_once=True),
+    1: ZeroRule(params=False, grads=True, opt_state=True, reduce_once=True),
+    2: ZeroRule(params=False, grads=True, opt_state=True, reduce_once=False),
+    3: ZeroRule(params=True, grads=True, opt_state=True, reduce_once=False),
 }
 
 

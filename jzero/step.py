@@ -3,10 +3,13 @@
 The global batch (leading dim = ``train_batch_size``) is split into
 ``gradient_accumulation_steps`` micro-batches without moving data between devices: micro-batch
 k takes the k-th chunk of every device's slice. Gradients are accumulated by ``lax.scan`` in
-``data_types.grad_accum_dtype`` (fp32), laid out like the stage's reduced grads, so the
-accumulator of stage >= 1 is sharded. The update runs where the optimizer state lives
-(sharded for stage >= 1) and the new params are re-laid out per the Plan (an all-gather at
-stages 1-2). Every output is pinned to the Plan, so the state keeps its sharding step after step.
+``data_types.grad_accum_dtype`` (fp32) and reduced where the ZeRO table says
+(`jzero.sharding.ZERO_RULES`): stages 0-1 keep each device's gradients unreduced until the last
+micro-batch and reduce once (`_reduced_once`); stages 2-3 reduce every micro-batch, each layer's
+gradient reduce-scattered inside the backward pass, into a sharded accumulator. The update runs
+where the optimizer state lives (sharded for stage >= 1) and the new params are re-laid out per
+the Plan (an all-gather at stages 1-2). Every output is pinned to the Plan, so the state keeps
+its sharding step after step.
 """
 from __future__ import annotations
 
@@ -16,10 +19,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import PartitionSpec as P
 
 from jzero import fused, hooks, optim, precision
-from jzero.mesh import DATA_AXES
-from jzero.sharding import is_stacked
+from jzero.mesh import DATA_AXES, data_parallel_size
+from jzero.sharding import FSDP, ZERO_RULES, is_stacked
 from jzero.state import TrainState
 
 _constrain = jax.lax.with_sharding_constraint
@@ -88,12 +92,12 @@ def _update(state: TrainState, grads: Any, params: Any, divisor: jax.Array, over
     return optax.apply_updates(params, updates), opt_state
 
 
-def _loss_and_aux(state: TrainState, params: Any, batch: Any, rng: jax.Array, scale: Any = 1.0):
-    """The user's loss on params cast to the compute dtype. At stage >= 1 the per-layer hooks
-    of `scan_layers` are active; they cast the stacked params themselves (after the
-    reduce-scatter in backward, so gradients are reduced in the communication dtype)."""
+def _loss_and_aux(state: TrainState, params: Any, batch: Any, rng: jax.Array, scale: Any = 1.0,
+                  ctx: hooks.HookContext | None = None):
+    """The user's loss on params cast to the compute dtype. With a hook context (stages 2-3) the
+    per-layer hooks of `scan_layers` are active; they cast the stacked params themselves (after
+    the reduce-scatter in backward, so gradients are reduced in the communication dtype)."""
     pol = precision.policy(state.config)
-    ctx = _hook_context(state, pol)
     if ctx is None:
         params = precision.cast_floating(params, pol.compute_dtype)
     else:
@@ -106,10 +110,13 @@ def _loss_and_aux(state: TrainState, params: Any, batch: Any, rng: jax.Array, sc
     return loss * scale, (loss, aux)
 
 
-def _hook_context(state: TrainState, pol: precision.Policy) -> hooks.HookContext | None:
+def _hook_context(state: TrainState) -> hooks.HookContext | None:
+    """The per-layer hooks of stages that reduce every micro-batch (2-3); None at stages 0-1,
+    whose gradients are reduced once per step (`_reduced_once`)."""
     stage = state.config.zero_optimization.stage
-    if stage == 0:
-        return None  # replicated grads: GSPMD's all-reduce is the stage's collective
+    if ZERO_RULES[stage].reduce_once:
+        return None
+    pol = precision.policy(state.config)
     return hooks.HookContext(mesh=state.plan.mesh, stage=stage, compute_dtype=pol.compute_dtype,
                              comm_dtype=pol.comm_dtype,
                              persistence_threshold=state.config.zero_optimization.stage3_param_persistence_threshold)
@@ -117,12 +124,15 @@ def _hook_context(state: TrainState, pol: precision.Policy) -> hooks.HookContext
 
 def _accumulated_grads(state: TrainState, batch: Any, rng: jax.Array, scale: Any):
     """(mean loss, mean aux, mean grads of loss x scale) over the micro-batches, grads laid out
-    per plan.grads."""
+    per plan.grads and reduced where the stage's row of the ZeRO table says."""
     cfg, plan = state.config, state.plan
+    if ZERO_RULES[cfg.zero_optimization.stage].reduce_once:
+        return _reduced_once(state, batch, rng, scale)
+    ctx = _hook_context(state)
 
     def grad_fn(params, mb, r):
         (_, (loss, aux)), grads = jax.value_and_grad(_loss_and_aux, argnums=1, has_aux=True)(
-            state, params, mb, r, scale)
+            state, params, mb, r, scale, ctx)
         return (loss, aux), grads
 
     accum = cfg.gradient_accumulation_steps
@@ -150,6 +160,58 @@ def _accumulated_grads(state: TrainState, batch: Any, rng: jax.Array, scale: Any
     return loss_sum / accum, aux, grads
 
 
+def _reduced_once(state: TrainState, batch: Any, rng: jax.Array, scale: Any):
+    """Stages 0-1 (DeepSpeed's rule for them): under ``shard_map`` each device takes the
+    gradients of its own rows, micro-batch by micro-batch, into an unreduced fp32 accumulator,
+    and the accumulator is reduced once, in the communication dtype: an all-reduce at stage 0, a
+    reduce-scatter into the optimizer-state layout at stage 1 (then psum over replicas). 2 Psi
+    per step whatever the accumulation; one full fp32 gradient (4 B/param) is the price."""
+    cfg, plan = state.config, state.plan
+    pol = precision.policy(cfg)
+    accum, count = cfg.gradient_accumulation_steps, cfg.gradient_accumulation_steps * data_parallel_size(plan.mesh)
+    specs = jax.tree.map(lambda s: s.spec, plan.grads)
+
+    def local(params, rows, rng, scale):
+        params = jax.lax.pcast(params, DATA_AXES, to="varying")  # local gradients: no automatic psum
+        rng = jax.random.fold_in(rng, jax.lax.axis_index(DATA_AXES))  # each device its own dropout
+
+        def grad_fn(mb, r):
+            (_, (loss, aux)), grads = jax.value_and_grad(_loss_and_aux, argnums=1, has_aux=True)(
+                state, params, mb, r, scale)
+            return loss, aux, precision.cast_floating(grads, pol.grad_accum_dtype)
+
+        if accum == 1:
+            loss, aux, acc = grad_fn(rows, rng)
+        else:
+            micro = jax.tree.map(lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:]), rows)
+
+            def body(carry, xs):
+                (mb, i), (acc, loss_sum) = xs, carry
+                loss, aux, grads = grad_fn(mb, jax.random.fold_in(rng, i))
+                return (jax.tree.map(jnp.add, acc, grads), loss_sum + loss), aux
+
+            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, pol.grad_accum_dtype), params)
+            carry = jax.lax.pcast((zeros, jnp.zeros((), jnp.float32)), DATA_AXES, to="varying")
+            (acc, loss), aux = jax.lax.scan(body, carry, (micro, jnp.arange(accum)))
+            aux = None if aux is None else jax.tree.map(lambda a: jnp.mean(a, axis=0), aux)
+        grads = jax.tree.map(lambda g, spec: (_reduce_once(g, spec, pol.comm_dtype) / count).astype(g.dtype),
+                             acc, specs)
+        aux = None if aux is None else jax.tree.map(lambda a: jax.lax.pmean(a, DATA_AXES), aux)
+        return jax.lax.psum(loss, DATA_AXES) / count, aux, grads
+
+    return jax.shard_map(local, mesh=plan.mesh, in_specs=(P(), P(DATA_AXES), P(), P()),
+                         out_specs=(P(), P(), specs))(state.params, batch, rng, scale)
+
+
+def _reduce_once(g: jax.Array, spec: P, comm: Any) -> jax.Array:
+    """A device's accumulated gradient summed over all devices, in ``comm``, laid out as
+    ``spec``: reduce-scattered along its "fsdp" dimension, else all-reduced; fp32 after."""
+    dim = next((d for d, axis in enumerate(spec) if axis == FSDP), None)
+    if dim is None:
+        return jax.lax.psum(g.astype(comm), DATA_AXES).astype(jnp.float32)
+    return hooks.reduce_scatter(g, dim, comm)
+
+
 def _split_micro(x: jax.Array, accum: int, dp: int, plan) -> jax.Array:
     """(dp*accum*micro, ...) -> (accum, dp*micro, ...) keeping each device's rows on it."""
     micro = x.shape[0] // (dp * accum)
@@ -169,4 +231,4 @@ def _check_batch(batch: Any, expected: int) -> None:
 def eval_step(state: TrainState, batch: Any) -> jax.Array:
     """The loss of ``state.params`` on ``batch`` (compute dtype, no gradient, no update)."""
     batch = _constrain(batch, jax.tree.map(lambda _: state.plan.batch, batch))
-    return _loss_and_aux(state, state.params, batch, state.rng)[1][0]
+    return _loss_and_aux(state, state.params, batch, state.rng, ctx=_hook_context(state))[1][0]
