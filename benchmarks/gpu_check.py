@@ -1,0 +1,176 @@
+"""Every GPU claim jzero makes, checked and timed in one call on a lent GPU machine.
+
+    python benchmarks/gpu_check.py --out $OUT            # the device tool's output folder
+    python benchmarks/gpu_check.py --out /tmp/x --smoke  # the same rows, tiny, on CPU (a dry run)
+
+Each row is one claim. A row that fails is recorded with its error and the next one runs; the
+JSON and markdown (``gpu_check.{json,md}``, plus ``fused_adamw.{json,md}`` from its row) are
+rewritten after every row, so a window cut short keeps what it measured. Rows:
+
+- ``platform``: device kind, count, memory, jax version;
+- ``fused_adamw``: the Pallas AdamW step vs optax.adamw vs a device copy (`fused_adamw.py`);
+- ``train``: `jzero train configs/gpt_small_zero2.json` on one device in bf16: tokens/s, MFU
+  against the known peak, compile time, that the loss falls;
+- ``xla_flags``: the same run with ``overlap_comm`` and bucket sizes set: XLA accepts the flags
+  jzero derives from them and the losses are those of the run without;
+- ``wire_dtypes``: stage 3 with bf16 compute and ``communication_data_type: bf16`` on all
+  devices: the collectives' dtypes in the compiled HLO, unwidened on GPU (needs >= 2 devices);
+- ``offload``: host-offloaded optimizer state (not built yet: recorded as such).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def platform_row(smoke: bool) -> dict:
+    import jax
+
+    device = jax.devices()[0]
+    stats = device.memory_stats() or {}
+    return {"platform": device.platform, "device_kind": device.device_kind, "devices": jax.device_count(),
+            "memory_gib": stats.get("bytes_limit", 0) / 2**30, "jax": jax.__version__}
+
+
+def fused_adamw_row(smoke: bool, out: Path) -> dict:
+    import jax
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import fused_adamw
+
+    sizes = fused_adamw.CPU_SIZES if smoke or jax.default_backend() == "cpu" else fused_adamw.ACCELERATOR_SIZES
+    if smoke:
+        sizes = {"1M": 1 << 20}
+
+    def save(report: dict) -> None:
+        (out / "fused_adamw.json").write_text(json.dumps(report, indent=2))
+        (out / "fused_adamw.md").write_text(fused_adamw.markdown(report))
+
+    report = fused_adamw.run(sizes, save)
+    save(report)
+    return {"backend": report["backend"], "checks": report["checks"],
+            "rows": [{k: row[k] for k in row if k in ("case", "copy_gbs", "optax", "pallas", "pallas_vs_optax")}
+                     for row in report["rows"]]}
+
+
+def _train(out: Path, steps: int, smoke: bool, *overrides: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    """`jzero train` of the small GPT on one device in a subprocess; (process, metrics rows)."""
+    args = [sys.executable, "-m", "jzero.cli", "train", str(ROOT / "configs" / "gpt_small_zero2.json"),
+            "--out", str(out), "--steps", str(steps), "--devices", "1", "--no-resume",
+            "--set", f"jzero.train.eval_interval={steps}", "--set", "jzero.checkpoint.interval=null", *overrides]
+    if smoke:
+        args += ["--set", "jzero.model.size=tiny", "--set", "jzero.data.max_bytes=200000"]
+    proc = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    rows = list(csv.DictReader(open(out / "metrics.csv"))) if (out / "metrics.csv").exists() else []
+    return proc, rows
+
+
+def train_row(smoke: bool) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        proc, rows = _train(Path(tmp), 20 if smoke else 300, smoke)
+    summary = [line.strip() for line in proc.stdout.splitlines() if "│" in line]
+    if proc.returncode != 0:
+        raise RuntimeError(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}")
+    return {"first_loss": float(rows[0]["loss"]), "last_loss": float(rows[-1]["loss"]),
+            "loss_falls": float(rows[-1]["loss"]) < float(rows[0]["loss"]), "summary": summary}
+
+
+def xla_flags_row(smoke: bool) -> dict:
+    steps = 10 if smoke else 50
+    with tempfile.TemporaryDirectory() as tmp:
+        _, plain = _train(Path(tmp) / "plain", steps, smoke)
+        proc, flagged = _train(Path(tmp) / "flags", steps, smoke, "--set", "zero_optimization.overlap_comm=true",
+                               "--set", "zero_optimization.reduce_bucket_size=200000000",
+                               "--set", "zero_optimization.allgather_bucket_size=200000000")
+    if proc.returncode != 0:
+        raise RuntimeError(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}")
+    header = [line for line in proc.stdout.splitlines() if "communication flags" in line]
+    return {"header": header, "same_losses": [r["loss"] for r in plain] == [r["loss"] for r in flagged]}
+
+
+def wire_dtypes_row(smoke: bool) -> dict:
+    import jax
+
+    if jax.device_count() < 2:
+        return {"skipped": f"needs >= 2 devices for collectives, this machine has {jax.device_count()}"}
+    import jzero
+    from jzero import models, profile
+
+    cfg = jzero.load_config({"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
+                             "communication_data_type": "bf16",
+                             "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+                             "jzero": {"model": {"size": "tiny" if smoke else "small"}}})
+    model = models.build(cfg)
+    state = jzero.abstract_init(model.init_fn, cfg, loss_fn=model.loss_fn)
+    batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=state.plan.batch)
+             for k, v in model.batch_spec(state.config.train_batch_size).items()}
+    report = profile.comm(jzero.train_step.lower(state, batch).compile())
+    by = report.by_kind_dtype()
+    widened = sorted({c.widened_to for c in report.collectives if c.widened_to})
+    return {"elements_by_kind_dtype": {f"{k} {d}": v for (k, d), v in by.items()}, "widened_to": widened}
+
+
+def offload_row(smoke: bool) -> dict:
+    return {"skipped": "host offload (zero_optimization.offload_*) is not built yet (issue 17)"}
+
+
+def markdown(report: dict) -> str:
+    lines = [f"jzero GPU check, {report['started']}", "", "| row | status | seconds | result |", "|---|---|---|---|"]
+    for row in report["rows"]:
+        result = row.get("error") or json.dumps(row.get("result"))[:400]
+        lines.append(f"| {row['name']} | {row['status']} | {row['seconds']:.1f} | {result} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ROOT / "benchmarks" / "results")),
+                        help="folder for gpu_check.{json,md} (default: $OUT, else benchmarks/results)")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes: a dry run of every row (CPU)")
+    parser.add_argument("--only", action="append", help="run only these rows (repeatable)")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows: dict[str, Callable[[], dict]] = {
+        "platform": lambda: platform_row(args.smoke),
+        "fused_adamw": lambda: fused_adamw_row(args.smoke, args.out),
+        "train": lambda: train_row(args.smoke),
+        "xla_flags": lambda: xla_flags_row(args.smoke),
+        "wire_dtypes": lambda: wire_dtypes_row(args.smoke),
+        "offload": lambda: offload_row(args.smoke),
+    }
+    report = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "smoke": args.smoke, "rows": []}
+    for name, fn in rows.items():
+        if args.only and name not in args.only:
+            continue
+        t0 = time.perf_counter()
+        try:
+            row = {"name": name, "status": "ok", "result": fn()}
+            if "skipped" in row["result"]:
+                row["status"] = "skipped"
+        except Exception as e:  # one failing claim must not lose the others
+            row = {"name": name, "status": "failed", "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}",
+                   "traceback": traceback.format_exc()[-2000:]}
+        row["seconds"] = time.perf_counter() - t0
+        report["rows"].append(row)
+        print(f"[gpu_check] {name}: {row['status']} ({row['seconds']:.1f} s)", flush=True)
+        (args.out / "gpu_check.json").write_text(json.dumps(report, indent=2))
+        (args.out / "gpu_check.md").write_text(markdown(report))
+    print(markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
