@@ -69,7 +69,8 @@ def current() -> HookContext | None:
     return _ACTIVE.get()
 
 
-def _fsdp_dim(spec: P) -> int | None:
+def fsdp_dim(spec: P) -> int | None:
+    """The dimension a spec shards over "fsdp" (None: not sharded over it)."""
     return next((d for d, axis in enumerate(spec) if axis == FSDP), None)
 
 
@@ -158,9 +159,9 @@ def _leaf_hook(shape: tuple[int, ...], ctx: HookContext, n: int) -> tuple[str, i
     stored sharded -> "gather"; replicated with a sharded gradient -> "sink"; else "replicate"."""
     full = leaf_specs(shape, ctx.stage, n, ctx.persistence_threshold, stacked=True)
     layer = LeafSpecs(*(P(*spec[1:]) for spec in full))
-    if (dim := _fsdp_dim(layer.params)) is not None:
+    if (dim := fsdp_dim(layer.params)) is not None:
         return "gather", dim, layer.params
-    if (dim := _fsdp_dim(layer.grads)) is not None:
+    if (dim := fsdp_dim(layer.grads)) is not None:
         return "sink", dim, layer.grads
     return "replicate", None, P()
 

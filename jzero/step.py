@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from jzero import fused, hooks, optim, precision
 from jzero.mesh import DATA_AXES, data_parallel_size
-from jzero.sharding import FSDP, ZERO_RULES, is_stacked
+from jzero.sharding import ZERO_RULES, is_stacked
 from jzero.state import TrainState
 
 _constrain = jax.lax.with_sharding_constraint
@@ -129,35 +129,34 @@ def _accumulated_grads(state: TrainState, batch: Any, rng: jax.Array, scale: Any
     if ZERO_RULES[cfg.zero_optimization.stage].reduce_once:
         return _reduced_once(state, batch, rng, scale)
     ctx = _hook_context(state)
-
-    def grad_fn(params, mb, r):
-        (_, (loss, aux)), grads = jax.value_and_grad(_loss_and_aux, argnums=1, has_aux=True)(
-            state, params, mb, r, scale, ctx)
-        return (loss, aux), grads
-
     accum = cfg.gradient_accumulation_steps
     acc_dtype = precision.policy(cfg).grad_accum_dtype
+
+    def grad_fn(mb, r):
+        (_, (loss, aux)), grads = jax.value_and_grad(_loss_and_aux, argnums=1, has_aux=True)(
+            state, state.params, mb, r, scale, ctx)
+        return loss, aux, _constrain(precision.cast_floating(grads, acc_dtype), plan.grads)
+
     if accum == 1:
-        (loss, aux), grads = grad_fn(state.params, batch, rng)
-        grads = precision.cast_floating(grads, acc_dtype)
-        return loss, aux, _constrain(grads, plan.grads)
-
+        return grad_fn(batch, rng)
     micro = jax.tree.map(lambda x: _split_micro(x, accum, cfg.dp_size, plan), batch)
-
-    def body(carry, xs):
-        acc, loss_sum = carry
-        mb, i = xs
-        (loss, aux), grads = grad_fn(state.params, mb, jax.random.fold_in(rng, i))
-        grads = _constrain(precision.cast_floating(grads, acc_dtype), plan.grads)
-        acc = jax.tree.map(jnp.add, acc, grads)
-        return (acc, loss_sum + loss), aux
-
     zeros = _constrain(jax.tree.map(lambda p: jnp.zeros(p.shape, acc_dtype), state.params), plan.grads)
-    (acc, loss_sum), aux = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32)),
-                                        (micro, jnp.arange(accum)))
-    grads = jax.tree.map(lambda g: g / accum, acc)
-    aux = None if aux is None else jax.tree.map(lambda a: jnp.mean(a, axis=0), aux)
-    return loss_sum / accum, aux, grads
+    loss_sum, aux, acc = _sum_over_micro_batches(grad_fn, micro, rng, (zeros, jnp.zeros((), jnp.float32)))
+    return loss_sum / accum, aux, jax.tree.map(lambda g: g / accum, acc)
+
+
+def _sum_over_micro_batches(grad_fn, micro: Any, rng: jax.Array, zeros: Any):
+    """(sum of losses, mean aux, sum of gradients) of ``grad_fn(micro_batch, rng) -> (loss, aux,
+    grads)`` over the micro-batches (the leading axis of ``micro``), each with its own key, by
+    ``lax.scan`` from ``zeros`` = (gradient accumulator, loss accumulator)."""
+    def body(carry, xs):
+        (mb, i), (acc, loss_sum) = xs, carry
+        loss, aux, grads = grad_fn(mb, jax.random.fold_in(rng, i))
+        return (jax.tree.map(jnp.add, acc, grads), loss_sum + loss), aux
+
+    steps = jax.tree.leaves(micro)[0].shape[0]
+    (acc, loss_sum), aux = jax.lax.scan(body, zeros, (micro, jnp.arange(steps)))
+    return loss_sum, None if aux is None else jax.tree.map(lambda a: jnp.mean(a, axis=0), aux), acc
 
 
 def _reduced_once(state: TrainState, batch: Any, rng: jax.Array, scale: Any):
@@ -184,16 +183,9 @@ def _reduced_once(state: TrainState, batch: Any, rng: jax.Array, scale: Any):
             loss, aux, acc = grad_fn(rows, rng)
         else:
             micro = jax.tree.map(lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:]), rows)
-
-            def body(carry, xs):
-                (mb, i), (acc, loss_sum) = xs, carry
-                loss, aux, grads = grad_fn(mb, jax.random.fold_in(rng, i))
-                return (jax.tree.map(jnp.add, acc, grads), loss_sum + loss), aux
-
             zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, pol.grad_accum_dtype), params)
             carry = jax.lax.pcast((zeros, jnp.zeros((), jnp.float32)), DATA_AXES, to="varying")
-            (acc, loss), aux = jax.lax.scan(body, carry, (micro, jnp.arange(accum)))
-            aux = None if aux is None else jax.tree.map(lambda a: jnp.mean(a, axis=0), aux)
+            loss, aux, acc = _sum_over_micro_batches(grad_fn, micro, rng, carry)
         grads = jax.tree.map(lambda g, spec: (_reduce_once(g, spec, pol.comm_dtype) / count).astype(g.dtype),
                              acc, specs)
         aux = None if aux is None else jax.tree.map(lambda a: jax.lax.pmean(a, DATA_AXES), aux)
@@ -206,7 +198,7 @@ def _reduced_once(state: TrainState, batch: Any, rng: jax.Array, scale: Any):
 def _reduce_once(g: jax.Array, spec: P, comm: Any) -> jax.Array:
     """A device's accumulated gradient summed over all devices, in ``comm``, laid out as
     ``spec``: reduce-scattered along its "fsdp" dimension, else all-reduced; fp32 after."""
-    dim = next((d for d, axis in enumerate(spec) if axis == FSDP), None)
+    dim = hooks.fsdp_dim(spec)
     if dim is None:
         return jax.lax.psum(g.astype(comm), DATA_AXES).astype(jnp.float32)
     return hooks.reduce_scatter(g, dim, comm)
