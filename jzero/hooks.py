@@ -1,27 +1,33 @@
-"""Per-layer ZeRO hooks inside the scanned layer stack (docs/design.md, "Per-layer hooks"): the
-collectives of stages 2-3 written out explicitly, because GSPMD left to itself gathers
-activations instead of weights, keeps fp32 on the wire, and reduces full gradients where a
-reduce-scatter is due.
+"""ZeRO's collectives written out explicitly (docs/design.md, "Per-layer hooks"): GSPMD left to
+itself gathers activations instead of weights, keeps fp32 on the wire, and all-reduces full
+gradients where a reduce-scatter is due.
 
-While the jzero step traces the loss at stages 2-3 it activates a `HookContext`; `scan_layers`
-then runs each layer under ``jax.shard_map`` over the data axes (activations stay batch-sharded,
-each device computes its local slice) and feeds the block its params through one of three
-custom-VJP hooks, chosen per leaf by the ZeRO table (`jzero.sharding.leaf_specs`):
+At stages 2-3 the jzero step computes every micro-batch's gradient under one ``jax.shard_map``
+over the data axes (`jzero.step`): each device runs the model on its own rows and differentiates
+with respect to its *target*, the param's local view in the reduced-gradient layout
+(``Plan.grads``). `bind` turns the stored params and the targets into the tree the model sees,
+through one of three custom-VJP hooks per leaf, chosen by the ZeRO table (`hook_kind`):
 
 * ``gather`` (stored sharded, stage 3): all-gather the shard over "fsdp" in the compute dtype,
   moved as its raw 16-bit pattern so no backend can widen it; backward: reduce-scatter the
   gradient over "fsdp" (then sum over "replica") in the communication dtype (fp32 unless
   ``communication_data_type`` says otherwise), back to fp32 after.
 * ``sink`` (stored replicated, gradient sharded: stage 2, or stage-3 persistent params): use the
-  local replica; backward: the same reduce-scatter into the gradient's shard.
-* ``replicate`` (nothing divisible): use the local replica; backward: all-reduce (communication dtype).
+  local replica; backward: the same reduce-scatter into the target shard.
+* ``replicate`` (nothing divisible): use the local replica; backward: all-reduce.
 
-``communication_data_type`` governs these collectives only. Params outside the stack (and every
-param at stage 0) are reduced where GSPMD places the reduction: at the matmul that produces the
-gradient, in that matmul's dtype (the compute dtype), whatever a later cast asks for.
+Leaves outside a layer stack are hooked once, before the model runs. Leaves of a `scan_layers`
+stack are hooked per layer inside the scan (`scan`), so a gathered layer lives for one layer
+only and a full gradient never exists: `bind` hands the model the stacked leaf (the stored
+replica, or a placeholder of the full shape at stage 3, never materialized) and records, by the
+leaf's identity, what the scan needs. The layer body is rematerialized with a policy that never
+saves a hook's output, so a gathered layer is gathered again for the backward pass (stage 3
+moves 3 Psi).
 
-The layer body is rematerialized with a policy that never saves a hook's output, so a gathered
-layer is dropped after use and gathered again for the backward pass (stage 3 moves 3Ψ).
+Stages 0-1 reduce once per step, so their stacks need no collective; under gradient
+accumulation `bind_accumulators` gives each stack its slice of the fp32 accumulator instead,
+and `accumulate_stack` adds each layer's gradient into it in place (one gradient buffer, as
+torch's in-place ``.grad`` gives DeepSpeed).
 """
 from __future__ import annotations
 
@@ -29,27 +35,55 @@ import contextlib
 import contextvars
 import functools
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jzero.mesh import DATA_AXES
-from jzero.sharding import FSDP, LeafSpecs, leaf_specs
+from jzero.sharding import FSDP, is_stacked
 
 REPLICA = DATA_AXES[0]
 
 
-@dataclass(frozen=True)
+class LeafHook(NamedTuple):
+    """A leaf's hook (`hook_kind`), the dim it is sharded over "fsdp" (None: none), its global shape."""
+    kind: str
+    dim: int | None
+    shape: tuple[int, ...]
+
+
+def leaf_hooks(stored: Any, grads: Any, params: Any) -> Any:
+    """A `LeafHook` per leaf of ``params`` from its stored and reduced-gradient layouts (the Plan's)."""
+    return jax.tree.map(lambda s, g, p: LeafHook(*hook_kind(s, g), tuple(p.shape)), stored, grads, params)
+
+
+class Bound(NamedTuple):
+    """What `scan` needs of one stacked leaf: its hook, the fsdp dim of a layer (None: none) and
+    the hook's inputs (stacked)."""
+    kind: str
+    dim: int | None
+    inputs: tuple[jax.Array, ...]
+
+
+@dataclass(frozen=True, eq=False)
 class HookContext:
-    mesh: Mesh
-    stage: int
-    persistence_threshold: int
     compute_dtype: Any
     comm_dtype: Any = jnp.float32  # gradients are reduced in this dtype (communication_data_type)
+    bound: dict[int, tuple[jax.Array, Bound]] = field(default_factory=dict)  # id(model's leaf) -> hooks
+    used: set[int] = field(default_factory=set)  # ids of bound leaves a layer stack consumed
+
+
+def check_used(ctx: HookContext) -> None:
+    """ValueError unless every bound stacked leaf reached a layer stack: one the model used any
+    other way would get no gradient (or, at stage 3, a placeholder)."""
+    if set(ctx.bound) - ctx.used:
+        raise ValueError("params under a 'stacked' key must be used through jzero.scan_layers inside the loss: "
+                         "at ZeRO stages 2-3 (and 0-1 with gradient accumulation) the step hands them to the "
+                         "layer stack's hooks, not to other code")
 
 
 _ACTIVE: contextvars.ContextVar[HookContext | None] = contextvars.ContextVar("jzero_hooks", default=None)
@@ -72,6 +106,15 @@ def current() -> HookContext | None:
 def fsdp_dim(spec: P) -> int | None:
     """The dimension a spec shards over "fsdp" (None: not sharded over it)."""
     return next((d for d, axis in enumerate(spec) if axis == FSDP), None)
+
+
+def hook_kind(stored: NamedSharding, grads: NamedSharding) -> tuple[str, int | None]:
+    """(hook, fsdp dim) of a leaf from its stored and reduced-gradient layouts (the Plan's)."""
+    if (dim := fsdp_dim(stored.spec)) is not None:
+        return "gather", dim
+    if (dim := fsdp_dim(grads.spec)) is not None:
+        return "sink", dim
+    return "replicate", None
 
 
 def _varying(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
@@ -144,6 +187,87 @@ def _replicate_bwd(dtype, comm, _, ct):
 replicate.defvjp(_replicate_fwd, _replicate_bwd)
 
 
+def _apply(ctx: HookContext, kind: str, dim: int | None, inputs: tuple[jax.Array, ...]) -> jax.Array:
+    """The compute-dtype value the model uses, through ``kind``'s hook."""
+    if kind == "gather":
+        return gather(*inputs, dim, ctx.compute_dtype, ctx.comm_dtype)
+    if kind == "sink":
+        return sink(*inputs, dim, ctx.compute_dtype, ctx.comm_dtype)
+    return replicate(*inputs, ctx.compute_dtype, ctx.comm_dtype)
+
+
+def bind(ctx: HookContext, hooked: Any, stored: Any, targets: Any) -> Any:
+    """The params tree the model sees inside the step's ``shard_map``: leaves outside a stack
+    through their hook (compute dtype); stacked leaves as themselves (or a full-shape placeholder
+    at stage 3), recorded in ``ctx.bound`` for `scan`. ``hooked``: `leaf_hooks`;
+    ``stored`` / ``targets``: each device's views in the stored / reduced-gradient layouts."""
+    def one(path, hook, value, target):
+        kind, dim, shape = hook
+        inputs = (jax.lax.stop_gradient(value), target) if kind == "sink" else (target,)
+        if not is_stacked(path):
+            return _apply(ctx, kind, dim, inputs)
+        leaf = jnp.zeros(shape, value.dtype) if kind == "gather" else value
+        ctx.bound[id(leaf)] = (leaf, Bound(kind, None if dim is None else dim - 1, inputs))
+        return leaf
+
+    return jax.tree_util.tree_map_with_path(one, hooked, stored, targets,
+                                            is_leaf=lambda x: isinstance(x, LeafHook))
+
+
+def bind_accumulators(ctx: HookContext, params: Any, accs: Any) -> Any:
+    """Stages 0-1 with accumulation: the params tree the model sees, leaves outside a stack cast
+    to the compute dtype, stacked leaves as themselves, recorded in ``ctx.bound`` with their fp32
+    accumulator for `scan` (see `accumulate_stack`)."""
+    def one(path, p, acc):
+        if not is_stacked(path):
+            return p.astype(ctx.compute_dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p
+        ctx.bound[id(p)] = (p, Bound("accumulate", None, (p, acc)))
+        return p
+
+    return jax.tree_util.tree_map_with_path(one, params, accs)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def accumulate_stack(layer: Callable, x: Any, ws: Any, extra: Any, accs: Any) -> Any:
+    """``lax.scan`` of ``layer(w, h, e)`` over the stacked ``ws`` / ``extra``, whose backward adds
+    each layer's weight gradient into ``accs`` in place, layer by layer, and returns the result
+    as the cotangent of ``accs`` (``accs`` + the gradient: the running sum over micro-batches);
+    ``ws`` gets none. No full gradient buffer besides the accumulator ever exists. Each layer's
+    forward is recomputed in the backward from its saved input (the "full" remat policy)."""
+    return _stack_forward(layer, x, ws, extra)[0]
+
+
+def _stack_forward(layer, x, ws, extra):
+    def body(h, xs):
+        return layer(xs[0], h, xs[1]), h
+
+    return jax.lax.scan(body, x, (ws, extra))
+
+
+def _accumulate_fwd(layer, x, ws, extra, accs):
+    out, inputs = _stack_forward(layer, x, ws, extra)
+    return out, (ws, extra, inputs, accs)
+
+
+def _accumulate_bwd(layer, res, ct):
+    ws, extra, inputs, accs = res
+
+    def body(carry, xs):
+        ct_h, accs = carry
+        w, e, h, i = xs
+        _, pull = jax.vjp(lambda w, h: layer(w, h, e), w, h)
+        ct_w, ct_h = pull(ct_h)
+        accs = jax.tree.map(lambda a, g: a.at[i].add(g.astype(a.dtype)), accs, ct_w)
+        return (ct_h, accs), None
+
+    n = jax.tree.leaves(ws)[0].shape[0]
+    (ct_x, accs), _ = jax.lax.scan(body, (ct, accs), (ws, extra, inputs, jnp.arange(n)), reverse=True)
+    return ct_x, None, None, accs
+
+
+accumulate_stack.defvjp(_accumulate_fwd, _accumulate_bwd)
+
+
 def _never_save_hooks(base: Callable | None) -> Callable:
     """``base`` remat policy, except that no custom-VJP output (the hooks') is ever saved."""
     def policy(prim, *args, **params):
@@ -154,59 +278,75 @@ def _never_save_hooks(base: Callable | None) -> Callable:
     return policy
 
 
-def _leaf_hook(shape: tuple[int, ...], ctx: HookContext, n: int) -> tuple[str, int | None, P]:
-    """(hook, fsdp dim, input spec) of one stacked leaf, from its row of the ZeRO table (per layer):
-    stored sharded -> "gather"; replicated with a sharded gradient -> "sink"; else "replicate"."""
-    full = leaf_specs(shape, ctx.stage, n, ctx.persistence_threshold, stacked=True)
-    layer = LeafSpecs(*(P(*spec[1:]) for spec in full))
-    if (dim := fsdp_dim(layer.params)) is not None:
-        return "gather", dim, layer.params
-    if (dim := fsdp_dim(layer.grads)) is not None:
-        return "sink", dim, layer.grads
-    return "replicate", None, P()
+def _lookup(ctx: HookContext, leaf: jax.Array) -> Bound:
+    entry = ctx.bound.get(id(leaf))  # the entry keeps its leaf alive, so the id is not reused
+    ctx.used.add(id(leaf))
+    if entry is None:
+        raise ValueError("scan_layers: a stacked param reached the layer stack changed (cast, sliced or "
+                         "rebuilt) inside the loss; under the jzero step pass the stacked params to "
+                         "scan_layers as the step gives them")
+    return entry[1]
 
 
 def scan(ctx: HookContext, apply_layer: Callable, policy: Callable | None, x: Any, stacked: Any,
          extra: Any) -> Any:
     """``lax.scan`` of ``apply_layer(layer_params, carry, layer_extra)`` over the stacked layers,
-    one layer per device under ``shard_map`` with the hooks above, chosen per leaf from the ZeRO
-    table for the stacked leaf. Each leaf's per-layer view is laid out before the loop, so GSPMD
-    has nothing to re-gather inside it."""
-    n = ctx.mesh.shape[FSDP]
-    checkpoint_policy = _never_save_hooks(policy)
+    each layer's params through the hooks `bind` recorded for its leaves."""
     leaves, treedef = jax.tree.flatten(stacked)
-    plans = [_leaf_hook(leaf.shape, ctx, n) for leaf in leaves]  # each leaf classified once
-    inputs, in_specs = [], []
+    bound = [_lookup(ctx, leaf) for leaf in leaves]
+    if bound and all(b.kind == "accumulate" for b in bound):
+        return _accumulating_scan(ctx, apply_layer, policy, x, treedef, bound, extra)
 
-    def pinned(v: jax.Array, spec: P) -> jax.Array:
-        return jax.lax.with_sharding_constraint(v, NamedSharding(ctx.mesh, P(None, *spec)))
-
-    for leaf, (kind, _, spec) in zip(leaves, plans, strict=True):
-        if kind == "sink":  # the replicated value for the forward pass, the shard that takes the gradient
-            inputs += [pinned(jax.lax.stop_gradient(leaf), P()), pinned(leaf, spec)]
-            in_specs += [P(), spec]
-        else:
-            inputs.append(pinned(leaf, spec))
-            in_specs.append(spec)
-    apply_hook = {
-        "gather": lambda it, dim: gather(next(it), dim, ctx.compute_dtype, ctx.comm_dtype),
-        "sink": lambda it, dim: sink(next(it), next(it), dim, ctx.compute_dtype, ctx.comm_dtype),
-        "replicate": lambda it, dim: replicate(next(it), ctx.compute_dtype, ctx.comm_dtype),
-    }
-
-    def local(carry, layer_extra, *layer_inputs):
-        it = iter(layer_inputs)
-        ws = [apply_hook[kind](it, dim) for kind, dim, _ in plans]
+    def local(carry, layer_extra, layer_inputs):
+        ws = [_apply(ctx, b.kind, b.dim, inputs) for b, inputs in zip(bound, layer_inputs, strict=True)]
         return apply_layer(jax.tree.unflatten(treedef, ws), carry, layer_extra)
 
-    local = jax.checkpoint(local, policy=checkpoint_policy, prevent_cse=False)
+    local = jax.checkpoint(local, policy=_never_save_hooks(policy), prevent_cse=False)
 
     def body(carry, xs):
-        layer_extra, layer_inputs = xs
-        carry_specs = jax.tree.map(lambda _: P(DATA_AXES), carry)
-        extra_specs = jax.tree.map(lambda _: P(), layer_extra)
-        out = jax.shard_map(local, mesh=ctx.mesh, in_specs=(carry_specs, extra_specs, *in_specs),
-                            out_specs=carry_specs)(carry, layer_extra, *layer_inputs)
-        return out, None
+        return local(carry, *xs), None
 
-    return jax.lax.scan(body, x, (extra, tuple(inputs)))[0]
+    return jax.lax.scan(body, x, (extra, tuple(b.inputs for b in bound)))[0]
+
+
+def _accumulating_scan(ctx: HookContext, apply_layer: Callable, policy: Callable | None, x: Any, treedef: Any,
+                       bound: list[Bound], extra: Any) -> Any:
+    """The stack of `bind_accumulators`: under the "full" remat policy `accumulate_stack` (the
+    gradient goes into the accumulator layer by layer); under another policy, which saves
+    activations the recomputing backward could not use, a plain scan whose stacked gradient is
+    added to the accumulator after it (one more full gradient, transient)."""
+    ws, accs = [b.inputs[0] for b in bound], [b.inputs[1] for b in bound]
+
+    def layer(ws, h, e):
+        return apply_layer(jax.tree.unflatten(treedef, [w.astype(ctx.compute_dtype) for w in ws]), h, e)
+
+    if policy is jax.checkpoint_policies.nothing_saveable:
+        return accumulate_stack(layer, x, ws, extra, accs)
+    if policy is not None:
+        layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
+    return _stack_forward(layer, x, _add_into(ws, accs), extra)[0]
+
+
+@jax.custom_vjp
+def _add_into(ws: Any, accs: Any) -> Any:
+    """``ws``; backward: no cotangent for ``ws``, ``accs`` + the gradient for ``accs`` (the
+    contract of `accumulate_stack`, without its in-place saving)."""
+    return ws
+
+
+def _add_into_fwd(ws, accs):
+    return ws, accs
+
+
+def _add_into_bwd(accs, ct):
+    return None, jax.tree.map(lambda a, g: a + g.astype(a.dtype), accs, ct)
+
+
+_add_into.defvjp(_add_into_fwd, _add_into_bwd)
+
+
+def add_gradients(accs: Any, grads: Any, acc_grads: Any) -> Any:
+    """The accumulator after one micro-batch: for stacked leaves bound by `bind_accumulators`
+    the accumulator's own cotangent (already accumulator + gradient), for the rest acc + grad."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, a, g, ga: ga if is_stacked(path) else a + g, accs, grads, acc_grads)

@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from jzero import fused, hooks, optim, precision
 from jzero.mesh import DATA_AXES, data_parallel_size
-from jzero.sharding import ZERO_RULES, is_stacked
+from jzero.sharding import ZERO_RULES
 from jzero.state import TrainState
 
 _constrain = jax.lax.with_sharding_constraint
@@ -94,105 +94,106 @@ def _update(state: TrainState, grads: Any, params: Any, divisor: jax.Array, over
 
 def _loss_and_aux(state: TrainState, params: Any, batch: Any, rng: jax.Array, scale: Any = 1.0,
                   ctx: hooks.HookContext | None = None):
-    """The user's loss on params cast to the compute dtype. With a hook context (stages 2-3) the
-    per-layer hooks of `scan_layers` are active; they cast the stacked params themselves (after
-    the reduce-scatter in backward, so gradients are reduced in the communication dtype)."""
-    pol = precision.policy(state.config)
+    """The user's loss on params in the compute dtype: cast here, or by the hooks of ``ctx``
+    (`hooks.bind`, stages 2-3: after the reduce-scatter in backward, so gradients are reduced
+    in the communication dtype)."""
     if ctx is None:
-        params = precision.cast_floating(params, pol.compute_dtype)
-    else:
-        params = jax.tree_util.tree_map_with_path(
-            lambda path, x: x if is_stacked(path) else precision.cast_floating(x, pol.compute_dtype), params)
+        params = precision.cast_floating(params, precision.policy(state.config).compute_dtype)
     with hooks.active(ctx):
         out = state.loss_fn(params, batch, rng)
+    if ctx is not None:
+        hooks.check_used(ctx)
     loss, aux = out if isinstance(out, tuple) else (out, None)
     loss = loss.astype(jnp.float32)
     return loss * scale, (loss, aux)
 
 
-def _hook_context(state: TrainState) -> hooks.HookContext | None:
-    """The per-layer hooks of stages that reduce every micro-batch (2-3); None at stages 0-1,
-    whose gradients are reduced once per step (`_reduced_once`)."""
-    stage = state.config.zero_optimization.stage
-    if ZERO_RULES[stage].reduce_once:
+def _hooked(state: TrainState) -> Any:
+    """The hook of every leaf at stages that reduce every micro-batch (2-3); None at stages 0-1,
+    whose gradients are reduced once per step."""
+    plan = state.plan
+    if ZERO_RULES[plan.stage].reduce_once:
         return None
+    return hooks.leaf_hooks(plan.params, plan.grads, state.params)
+
+
+def _local_loss(state: TrainState, hooked: Any, stored: Any, targets: Any, acc: Any, rows: Any, rng: jax.Array,
+                scale: Any):
+    """`_loss_and_aux` of one device's ``rows`` inside the step's ``shard_map``, as a function of
+    ``targets`` (what is differentiated): the params themselves (stages 0-1; with an accumulator
+    ``acc``, stacked leaves add their gradient into it layer by layer: `hooks.bind_accumulators`),
+    or each param's view in the reduced-gradient layout, bound with ``stored`` to its hook
+    (stages 2-3)."""
+    if hooked is None and acc is None:
+        return _loss_and_aux(state, targets, rows, rng, scale)
     pol = precision.policy(state.config)
-    return hooks.HookContext(mesh=state.plan.mesh, stage=stage, compute_dtype=pol.compute_dtype,
-                             comm_dtype=pol.comm_dtype,
-                             persistence_threshold=state.config.zero_optimization.stage3_param_persistence_threshold)
+    ctx = hooks.HookContext(compute_dtype=pol.compute_dtype, comm_dtype=pol.comm_dtype)  # this trace's
+    params = (hooks.bind(ctx, hooked, stored, targets) if hooked is not None
+              else hooks.bind_accumulators(ctx, targets, acc))
+    return _loss_and_aux(state, params, rows, rng, scale, ctx)
 
 
 def _accumulated_grads(state: TrainState, batch: Any, rng: jax.Array, scale: Any):
-    """(mean loss, mean aux, mean grads of loss x scale) over the micro-batches, grads laid out
-    per plan.grads and reduced where the stage's row of the ZeRO table says."""
+    """(mean loss, mean aux, mean grads of loss x scale) over the micro-batches, laid out per
+    plan.grads and reduced where the stage's row of the ZeRO table says.
+
+    One ``shard_map`` over the data axes: each device takes the gradients of its own rows,
+    micro-batch by micro-batch, into a local fp32 accumulator. Stages 0-1 (DeepSpeed's rule for
+    them): params typed "varying" (``pcast``) so the gradient stays unreduced, and the
+    accumulator reduced once, in the communication dtype: 2 Psi per step whatever the
+    accumulation, one full fp32 gradient (4 B/param) the price. Stages 2-3: the hooks
+    (`hooks.bind`) reduce-scatter every micro-batch's gradient into the sharded accumulator."""
     cfg, plan = state.config, state.plan
-    if ZERO_RULES[cfg.zero_optimization.stage].reduce_once:
-        return _reduced_once(state, batch, rng, scale)
-    ctx = _hook_context(state)
-    accum = cfg.gradient_accumulation_steps
-    acc_dtype = precision.policy(cfg).grad_accum_dtype
+    pol = precision.policy(cfg)
+    accum, count = cfg.gradient_accumulation_steps, cfg.gradient_accumulation_steps * data_parallel_size(plan.mesh)
+    hooked = _hooked(state)
 
-    def grad_fn(mb, r):
-        (_, (loss, aux)), grads = jax.value_and_grad(_loss_and_aux, argnums=1, has_aux=True)(
-            state, state.params, mb, r, scale, ctx)
-        return loss, aux, _constrain(precision.cast_floating(grads, acc_dtype), plan.grads)
+    def local(stored, targets, rows, rng, scale):
+        rng = jax.random.fold_in(rng, jax.lax.axis_index(DATA_AXES))  # each device its own dropout
+        if hooked is None:
+            targets = jax.lax.pcast(stored, DATA_AXES, to="varying")  # local, unreduced gradients
 
-    if accum == 1:
-        return grad_fn(batch, rng)
-    micro = jax.tree.map(lambda x: _split_micro(x, accum, cfg.dp_size, plan), batch)
-    zeros = _constrain(jax.tree.map(lambda p: jnp.zeros(p.shape, acc_dtype), state.params), plan.grads)
-    loss_sum, aux, acc = _sum_over_micro_batches(grad_fn, micro, rng, (zeros, jnp.zeros((), jnp.float32)))
-    return loss_sum / accum, aux, jax.tree.map(lambda g: g / accum, acc)
+        def grad_fn(mb, r, acc):
+            bound_acc = acc if hooked is None else None
+            (_, (loss, aux)), (grads, acc_grads) = jax.value_and_grad(
+                lambda t, a: _local_loss(state, hooked, stored, t, a, mb, r, scale), argnums=(0, 1),
+                has_aux=True)(targets, bound_acc)
+            grads = precision.cast_floating(grads, pol.grad_accum_dtype)
+            if acc is None:
+                return loss, aux, grads
+            if bound_acc is None:
+                return loss, aux, jax.tree.map(jnp.add, acc, grads)
+            return loss, aux, hooks.add_gradients(acc, grads, acc_grads)
+
+        if accum == 1:
+            loss, aux, acc = grad_fn(rows, rng, None)
+        else:
+            micro = jax.tree.map(lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:]), rows)
+            zeros = jax.tree.map(lambda t: jnp.zeros_like(t, pol.grad_accum_dtype), targets)
+            loss0 = jax.lax.pcast(jnp.zeros((), jnp.float32), DATA_AXES, to="varying")  # a local sum
+            loss, aux, acc = _sum_over_micro_batches(grad_fn, micro, rng, (zeros, loss0))
+        if hooked is None:
+            acc = jax.tree.map(lambda g, s: _reduce_once(g, s.spec, pol.comm_dtype).astype(g.dtype), acc, plan.grads)
+        aux = None if aux is None else jax.tree.map(lambda a: jax.lax.pmean(a, DATA_AXES), aux)
+        return jax.lax.psum(loss, DATA_AXES) / count, aux, jax.tree.map(lambda g: g / count, acc)
+
+    specs = jax.tree.map(lambda s: s.spec, (plan.params, plan.grads))
+    return jax.shard_map(local, mesh=plan.mesh, in_specs=(*specs, P(DATA_AXES), P(), P()),
+                         out_specs=(P(), P(), specs[1]))(state.params, state.params, batch, rng, scale)
 
 
 def _sum_over_micro_batches(grad_fn, micro: Any, rng: jax.Array, zeros: Any):
-    """(sum of losses, mean aux, sum of gradients) of ``grad_fn(micro_batch, rng) -> (loss, aux,
-    grads)`` over the micro-batches (the leading axis of ``micro``), each with its own key, by
-    ``lax.scan`` from ``zeros`` = (gradient accumulator, loss accumulator)."""
+    """(sum of losses, mean aux, sum of gradients) of ``grad_fn(micro_batch, rng, acc) -> (loss,
+    aux, acc + gradients)`` over the micro-batches (the leading axis of ``micro``), each with its
+    own key, by ``lax.scan`` from ``zeros`` = (gradient accumulator, loss accumulator)."""
     def body(carry, xs):
         (mb, i), (acc, loss_sum) = xs, carry
-        loss, aux, grads = grad_fn(mb, jax.random.fold_in(rng, i))
-        return (jax.tree.map(jnp.add, acc, grads), loss_sum + loss), aux
+        loss, aux, acc = grad_fn(mb, jax.random.fold_in(rng, i), acc)
+        return (acc, loss_sum + loss), aux
 
     steps = jax.tree.leaves(micro)[0].shape[0]
     (acc, loss_sum), aux = jax.lax.scan(body, zeros, (micro, jnp.arange(steps)))
     return loss_sum, None if aux is None else jax.tree.map(lambda a: jnp.mean(a, axis=0), aux), acc
-
-
-def _reduced_once(state: TrainState, batch: Any, rng: jax.Array, scale: Any):
-    """Stages 0-1 (DeepSpeed's rule for them): under ``shard_map`` each device takes the
-    gradients of its own rows, micro-batch by micro-batch, into an unreduced fp32 accumulator,
-    and the accumulator is reduced once, in the communication dtype: an all-reduce at stage 0, a
-    reduce-scatter into the optimizer-state layout at stage 1 (then psum over replicas). 2 Psi
-    per step whatever the accumulation; one full fp32 gradient (4 B/param) is the price."""
-    cfg, plan = state.config, state.plan
-    pol = precision.policy(cfg)
-    accum, count = cfg.gradient_accumulation_steps, cfg.gradient_accumulation_steps * data_parallel_size(plan.mesh)
-    specs = jax.tree.map(lambda s: s.spec, plan.grads)
-
-    def local(params, rows, rng, scale):
-        params = jax.lax.pcast(params, DATA_AXES, to="varying")  # local gradients: no automatic psum
-        rng = jax.random.fold_in(rng, jax.lax.axis_index(DATA_AXES))  # each device its own dropout
-
-        def grad_fn(mb, r):
-            (_, (loss, aux)), grads = jax.value_and_grad(_loss_and_aux, argnums=1, has_aux=True)(
-                state, params, mb, r, scale)
-            return loss, aux, precision.cast_floating(grads, pol.grad_accum_dtype)
-
-        if accum == 1:
-            loss, aux, acc = grad_fn(rows, rng)
-        else:
-            micro = jax.tree.map(lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:]), rows)
-            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, pol.grad_accum_dtype), params)
-            carry = jax.lax.pcast((zeros, jnp.zeros((), jnp.float32)), DATA_AXES, to="varying")
-            loss, aux, acc = _sum_over_micro_batches(grad_fn, micro, rng, carry)
-        grads = jax.tree.map(lambda g, spec: (_reduce_once(g, spec, pol.comm_dtype) / count).astype(g.dtype),
-                             acc, specs)
-        aux = None if aux is None else jax.tree.map(lambda a: jax.lax.pmean(a, DATA_AXES), aux)
-        return jax.lax.psum(loss, DATA_AXES) / count, aux, grads
-
-    return jax.shard_map(local, mesh=plan.mesh, in_specs=(P(), P(DATA_AXES), P(), P()),
-                         out_specs=(P(), P(), specs))(state.params, batch, rng, scale)
 
 
 def _reduce_once(g: jax.Array, spec: P, comm: Any) -> jax.Array:
@@ -204,14 +205,6 @@ def _reduce_once(g: jax.Array, spec: P, comm: Any) -> jax.Array:
     return hooks.reduce_scatter(g, dim, comm)
 
 
-def _split_micro(x: jax.Array, accum: int, dp: int, plan) -> jax.Array:
-    """(dp*accum*micro, ...) -> (accum, dp*micro, ...) keeping each device's rows on it."""
-    micro = x.shape[0] // (dp * accum)
-    y = x.reshape(dp, accum, micro, *x.shape[1:]).swapaxes(0, 1).reshape(accum, dp * micro, *x.shape[1:])
-    spec = jax.sharding.PartitionSpec(None, DATA_AXES)
-    return _constrain(y, jax.sharding.NamedSharding(plan.mesh, spec))
-
-
 def _check_batch(batch: Any, expected: int) -> None:
     for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
         if x.ndim == 0 or x.shape[0] != expected:
@@ -221,6 +214,15 @@ def _check_batch(batch: Any, expected: int) -> None:
 
 @jax.jit
 def eval_step(state: TrainState, batch: Any) -> jax.Array:
-    """The loss of ``state.params`` on ``batch`` (compute dtype, no gradient, no update)."""
-    batch = _constrain(batch, jax.tree.map(lambda _: state.plan.batch, batch))
-    return _loss_and_aux(state, state.params, batch, state.rng, ctx=_hook_context(state))[1][0]
+    """The loss of ``state.params`` on ``batch`` (compute dtype, no gradient, no update): each
+    device's rows under the step's ``shard_map``, averaged over devices."""
+    plan, hooked = state.plan, _hooked(state)
+
+    def local(stored, targets, rows):
+        params = stored if hooked is None else targets  # what _local_loss reads at the stage
+        loss = _local_loss(state, hooked, stored, params, None, rows, state.rng, 1.0)[1][0]
+        return jax.lax.pmean(loss, DATA_AXES)
+
+    specs = jax.tree.map(lambda s: s.spec, (plan.params, plan.grads))
+    return jax.shard_map(local, mesh=plan.mesh, in_specs=(*specs, P(DATA_AXES)), out_specs=P())(
+        state.params, state.params, batch)

@@ -95,3 +95,23 @@ def test_hpz_shards_inside_groups_of_4_and_trains_like_fsdp_8():
     assert gathers and scatters
     assert all(c.groups == quads for c in gathers + scatters), [(c.kind, c.groups) for c in gathers + scatters]
     assert any(c.kind == "all-reduce" and c.groups == pairs for c in moving)
+
+
+@pytest.mark.parametrize("stage,accum", [(2, 1), (0, 2)])
+def test_stacked_params_used_outside_scan_layers_are_refused(stage, accum):
+    """The step hands leaves under a "stacked" key to scan_layers' hooks; a loss that reads them
+    directly would get no gradient, so the step refuses it (stage 0 without accumulation has no
+    hooks and trains it)."""
+    import jax.numpy as jnp
+
+    def loss_fn(params, batch, rng):
+        return jnp.mean((batch["x"] @ params["stacked"][0]) ** 2)
+
+    cfg = jzero.load_config({"train_batch_size": BATCH, "gradient_accumulation_steps": accum,
+                             "zero_optimization": {"stage": stage}})
+    state = jzero.init(lambda rng: {"stacked": jnp.ones((2, 8, 8))}, cfg, loss_fn=loss_fn, rng=0)
+    batch = {"x": np.ones((BATCH, 8), np.float32)}
+    with pytest.raises(ValueError, match="'stacked' key must be used through jzero.scan_layers"):
+        jzero.train_step(state, batch)
+    plain = jzero.init(lambda rng: {"stacked": jnp.ones((2, 8, 8))}, config(0, 1), loss_fn=loss_fn, rng=0)
+    assert np.isfinite(float(jzero.train_step(plain, batch)[1]["loss"]))
