@@ -15,7 +15,10 @@ rewritten after every row, so a window cut short keeps what it measured. Rows:
   jzero derives from them and the losses are those of the run without;
 - ``wire_dtypes``: stage 3 with bf16 compute and ``communication_data_type: bf16`` on all
   devices: the collectives' dtypes in the compiled HLO, unwidened on GPU (needs >= 2 devices);
-- ``offload``: host-offloaded optimizer state (not built yet: recorded as such).
+- ``offload``: ZeRO-Offload + parameter offload (stage 3) against the same run on the device, one
+  GPU, a 350M GPT: with the device memory capped (``XLA_PYTHON_CLIENT_MEM_FRACTION``) below what
+  the device run needs, the device run fails and the offloaded one trains; uncapped, both runs'
+  ``memory_stats()`` peaks and the step-time ratio.
 """
 from __future__ import annotations
 
@@ -123,8 +126,65 @@ def wire_dtypes_row(smoke: bool) -> dict:
     return {"elements_by_kind_dtype": {f"{k} {d}": v for (k, d), v in by.items()}, "widened_to": widened}
 
 
+OFFLOAD_CAP_GIB = 4.0  # the 350M GPT needs ~6 GiB on the device without offload, ~2.5 with
+
+
+def offload_probe(offload: bool, smoke: bool) -> dict:
+    """One process: a few steps of the 350M GPT (tiny with smoke) at stage 3 on one device, with or
+    without offload; its step time and the device's peak bytes in use."""
+    import jax
+
+    import jzero
+    from jzero import models
+
+    cpu = {"device": "cpu", "pin_memory": True}
+    zero = {"stage": 3, **({"offload_optimizer": cpu, "offload_param": cpu} if offload else {})}
+    size = {"size": "tiny", "seq_len": 64} if smoke else {"size": "350m", "seq_len": 512}
+    cfg = jzero.load_config({"train_micro_batch_size_per_gpu": 2 if smoke else 4, "bf16": {"enabled": True},
+                             "zero_optimization": zero, "jzero": {"mesh": {"devices": 1}, "model": size}})
+    model = models.build(cfg)
+    state = jzero.init(model.init_fn, cfg, loss_fn=model.loss_fn, rng=0)
+    batch = model.example_batch(state.config.train_batch_size)
+    state, metrics = jzero.train_step(state, batch)
+    float(metrics["loss"])
+    t0 = time.perf_counter()
+    steps = 3 if smoke else 10
+    for _ in range(steps):
+        state, metrics = jzero.train_step(state, batch)
+    loss = float(metrics["loss"])
+    stats = jax.devices()[0].memory_stats() or {}
+    return {"step_s": (time.perf_counter() - t0) / steps, "loss": loss,
+            "peak_gib": stats.get("peak_bytes_in_use", 0) / 2**30,
+            "params": sum(x.size for x in jax.tree.leaves(state.params))}
+
+
+def _probe(offload: bool, smoke: bool, cap_gib: float | None) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    if cap_gib is not None:
+        import jax
+
+        total = (jax.devices()[0].memory_stats() or {}).get("bytes_limit", 0)
+        if not total:
+            return {"skipped": "the device reports no memory limit"}
+        env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{cap_gib * 2**30 / total:.4f}"
+    args = [sys.executable, str(Path(__file__).resolve()), "--offload-probe", str(int(offload))]
+    proc = subprocess.run(args + (["--smoke"] if smoke else []), capture_output=True, text=True, cwd=ROOT,
+                          timeout=300, env=env)
+    if proc.returncode != 0:
+        return {"ok": False, "error": (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1][:300]}
+    return {"ok": True, **json.loads(proc.stdout.strip().splitlines()[-1])}
+
+
 def offload_row(smoke: bool) -> dict:
-    return {"skipped": "host offload (zero_optimization.offload_*) is not built yet (issue 17)"}
+    row = {"uncapped": {name: _probe(off, smoke, None) for name, off in (("device", False), ("offload", True))}}
+    device, offload = row["uncapped"]["device"], row["uncapped"]["offload"]
+    if device.get("ok") and offload.get("ok"):
+        row["step_time_offload_vs_device"] = offload["step_s"] / device["step_s"]
+        row["peak_offload_vs_device"] = offload["peak_gib"] / device["peak_gib"] if device["peak_gib"] else None
+    if not smoke:
+        row[f"capped_{OFFLOAD_CAP_GIB:g}_gib"] = {name: _probe(off, smoke, OFFLOAD_CAP_GIB)
+                                                 for name, off in (("device", False), ("offload", True))}
+    return row
 
 
 def markdown(report: dict) -> str:
@@ -141,7 +201,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="folder for gpu_check.{json,md} (default: $OUT, else benchmarks/results)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: a dry run of every row (CPU)")
     parser.add_argument("--only", action="append", help="run only these rows (repeatable)")
+    parser.add_argument("--offload-probe", type=int, choices=[0, 1], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.offload_probe is not None:  # the offload row's subprocess: one JSON line
+        print(json.dumps(offload_probe(bool(args.offload_probe), args.smoke)))
+        return 0
     args.out.mkdir(parents=True, exist_ok=True)
     rows: dict[str, Callable[[], dict]] = {
         "platform": lambda: platform_row(args.smoke),

@@ -18,7 +18,8 @@ _EXPORTS = {
     "load_config": "jzero.resolve",
     "export": "jzero.weights", "load_params": "jzero.weights",
     "make_mesh": "jzero.mesh", "Plan": "jzero.sharding",
-    "TrainState": "jzero.state", "abstract_init": "jzero.state", "init": "jzero.state",
+    "TrainState": "jzero.state", "abstract_init": "jzero.state", "device_params": "jzero.state",
+    "init": "jzero.state",
     "train_step": "jzero.step",
 }
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -19,6 +19,7 @@ warning. Nothing on any load path unpickles or runs code: arrays are TensorStore
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import warnings
 from collections.abc import Sequence
@@ -29,10 +30,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental.compute_on import compute_on
 
 from jzero import precision, treepath
 from jzero import state as state_lib
 from jzero.config import Config, ConfigError
+from jzero.sharding import HOST_KINDS
 
 FORMAT = "jzero-checkpoint"
 FORMAT_VERSION = 1
@@ -71,6 +74,7 @@ def checksum(x: jax.Array) -> jax.Array:
         shape[axis] = bits.shape[axis]
         index = index + jnp.arange(bits.shape[axis], dtype=jnp.uint32).reshape(shape) * jnp.uint32(stride % 2**32)
         stride *= bits.shape[axis]
+    index = jax.device_put(index, jax.typeof(bits).memory_space)  # beside an offloaded leaf, on the host
     return jnp.sum(bits * (index * jnp.uint32(2 * _WEIGHT % 2**32) + jnp.uint32(1)), dtype=jnp.uint32)
 
 
@@ -101,9 +105,22 @@ def _bits_np(x: np.ndarray) -> np.ndarray:
     return x.view(f"u{x.dtype.itemsize}").astype(np.uint32)
 
 
-@jax.jit
 def _checksums(leaves: list[jax.Array]) -> list[jax.Array]:
-    return [checksum(x) for x in leaves]
+    """Every leaf's `checksum`, each computed where the leaf lives (an offloaded leaf on the
+    host: moving it to the device could need more memory than the device has)."""
+    on_host = tuple(getattr(getattr(x, "sharding", None), "memory_kind", None) in HOST_KINDS for x in leaves)
+    return _checksums_where(leaves, on_host)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _checksums_where(leaves: list[jax.Array], on_host: tuple[bool, ...]) -> list[jax.Array]:
+    def one(x, host):
+        if not host:
+            return checksum(x)
+        with compute_on("device_host"):
+            return checksum(x)
+
+    return [one(x, host) for x, host in zip(leaves, on_host, strict=True)]
 
 
 def _saved_tree(state: Any) -> dict[str, Any]:

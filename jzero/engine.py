@@ -20,7 +20,7 @@ from jzero.config import Config, ConfigError
 from jzero.mesh import make_mesh
 from jzero.models import gpt
 from jzero.monitor import Monitor, RunSummary
-from jzero.state import TrainState, abstract_init, init
+from jzero.state import TrainState, abstract_init, device_params, init
 from jzero.step import eval_step, train_step
 
 SAMPLE_PROMPT = b"def "
@@ -86,7 +86,7 @@ class Engine:
 
     def sample(self, num_tokens: int = SAMPLE_TOKENS) -> str:
         prompt = jnp.asarray(np.frombuffer(SAMPLE_PROMPT, np.uint8).astype(np.int32))
-        tokens = gpt.generate(self.model_cfg, self.state.params, prompt, num_tokens,
+        tokens = gpt.generate(self.model_cfg, device_params(self.state), prompt, num_tokens,
                               jax.random.key(self.config.seed))
         if self.corpus.vocab_size != 256:
             return " ".join(map(str, jax.device_get(tokens).tolist()))

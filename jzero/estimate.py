@@ -51,6 +51,8 @@ class Estimate:
             "activations_other_gib": max(0, m.temp - self.grads_bytes) / GiB,
             "peak_gib": m.peak / GiB,
             "persistent_bytes_per_param": m.per_param(m.persistent),
+            "device_persistent_bytes_per_param": m.per_param(m.device_persistent),
+            "host_bytes_per_param": m.per_param(m.host),
             "jzero_formula_bytes_per_param": a.jzero_bytes / n,
             "zero_paper_gib": a.paper_bytes / GiB,
             "deepspeed_estimate_gib": a.deepspeed_bytes / GiB,
@@ -104,5 +106,6 @@ def estimate(config: Config, stage: int | None = None) -> Estimate:
                     comm_ring_bytes=comm.total_ring_bytes(), flops=profile.flops(compiled),
                     analytic=profile.analytic(mem.num_params, cfg.zero_optimization.stage, mesh.shape["fsdp"],
                                               largest_layer_params=layer,
-                                              accumulation=cfg.gradient_accumulation_steps),
+                                              accumulation=cfg.gradient_accumulation_steps,
+                                              offload=state.plan.offload is not None),
                     compile_s=compile_s)

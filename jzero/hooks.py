@@ -73,6 +73,7 @@ class Bound(NamedTuple):
 class HookContext:
     compute_dtype: Any
     comm_dtype: Any = jnp.float32  # gradients are reduced in this dtype (communication_data_type)
+    on_host: bool = False  # stored values live in host memory (offload_param): each hook brings its own
     bound: dict[int, tuple[jax.Array, Bound]] = field(default_factory=dict)  # id(model's leaf) -> hooks
     used: set[int] = field(default_factory=set)  # ids of bound leaves a layer stack consumed
 
@@ -138,50 +139,47 @@ def reduce_scatter(ct: jax.Array, dim: int, comm: Any) -> jax.Array:
     return jax.lax.psum(shard, REPLICA).astype(jnp.float32)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def gather(shard: jax.Array, dim: int, dtype: Any, comm: Any) -> jax.Array:
+# Each hook takes (value, target): ``value`` is what the forward uses (the stored shard or
+# replica, never differentiated), ``target`` what receives the reduced gradient (fp32, in the
+# reduced-gradient layout; its value is never read).
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def gather(shard: jax.Array, target: jax.Array, dim: int, dtype: Any, comm: Any) -> jax.Array:
     full = jax.lax.all_gather(_to_wire(shard.astype(dtype)), FSDP, axis=dim, tiled=True)
     return _varying(_from_wire(full, dtype), (REPLICA,))  # all_gather output already varies over fsdp
 
 
-def _gather_fwd(shard, dim, dtype, comm):
-    return gather(shard, dim, dtype, comm), None
-
-
-def _gather_bwd(dim, dtype, comm, _, ct):
-    return (reduce_scatter(ct, dim, comm),)
-
-
-gather.defvjp(_gather_fwd, _gather_bwd)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def sink(replica: jax.Array, shard: jax.Array, dim: int, dtype: Any, comm: Any) -> jax.Array:
+def sink(replica: jax.Array, target: jax.Array, dim: int, dtype: Any, comm: Any) -> jax.Array:
     return _varying(replica.astype(dtype), DATA_AXES)
 
 
-def _sink_fwd(replica, shard, dim, dtype, comm):
-    return sink(replica, shard, dim, dtype, comm), None
+def _scatter_fwd(hook):
+    def fwd(value, target, dim, dtype, comm):
+        return hook(value, target, dim, dtype, comm), None
+
+    return fwd
 
 
-def _sink_bwd(dim, dtype, comm, _, ct):
+def _scatter_bwd(dim, dtype, comm, _, ct):
     return None, reduce_scatter(ct, dim, comm)
 
 
-sink.defvjp(_sink_fwd, _sink_bwd)
+gather.defvjp(_scatter_fwd(gather), _scatter_bwd)
+sink.defvjp(_scatter_fwd(sink), _scatter_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def replicate(replica: jax.Array, dtype: Any, comm: Any) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def replicate(replica: jax.Array, target: jax.Array, dtype: Any, comm: Any) -> jax.Array:
     return _varying(replica.astype(dtype), DATA_AXES)
 
 
-def _replicate_fwd(replica, dtype, comm):
-    return replicate(replica, dtype, comm), None
+def _replicate_fwd(replica, target, dtype, comm):
+    return replicate(replica, target, dtype, comm), None
 
 
 def _replicate_bwd(dtype, comm, _, ct):
-    return (jax.lax.psum(ct.astype(comm), DATA_AXES).astype(jnp.float32),)
+    return None, jax.lax.psum(ct.astype(comm), DATA_AXES).astype(jnp.float32)
 
 
 replicate.defvjp(_replicate_fwd, _replicate_bwd)
@@ -189,6 +187,8 @@ replicate.defvjp(_replicate_fwd, _replicate_bwd)
 
 def _apply(ctx: HookContext, kind: str, dim: int | None, inputs: tuple[jax.Array, ...]) -> jax.Array:
     """The compute-dtype value the model uses, through ``kind``'s hook."""
+    if ctx.on_host:  # one layer's (or leaf's) shard to the device, right before its use
+        inputs = (jax.device_put(inputs[0], jax.memory.Space.Device), inputs[1])
     if kind == "gather":
         return gather(*inputs, dim, ctx.compute_dtype, ctx.comm_dtype)
     if kind == "sink":
@@ -203,7 +203,7 @@ def bind(ctx: HookContext, hooked: Any, stored: Any, targets: Any) -> Any:
     ``stored`` / ``targets``: each device's views in the stored / reduced-gradient layouts."""
     def one(path, hook, value, target):
         kind, dim, shape = hook
-        inputs = (jax.lax.stop_gradient(value), target) if kind == "sink" else (target,)
+        inputs = (jax.lax.stop_gradient(value), target)
         if not is_stacked(path):
             return _apply(ctx, kind, dim, inputs)
         leaf = jnp.zeros(shape, value.dtype) if kind == "gather" else value

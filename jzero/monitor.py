@@ -55,9 +55,11 @@ class RunSummary:
         if peak_tflops:
             rows.append((f"MFU (peak {peak_tflops:g} TFLOP/s)", f"{tflops / peak_tflops:.1%}"))
         if self.memory is not None:
-            rows += [("per-device persistent state (compiled step)", mib(self.memory.persistent)),
+            rows += [("per-device persistent state (compiled step)", mib(self.memory.device_persistent)),
                      ("per-device temporaries (compiled step)", mib(self.memory.temp)),
                      ("per-device peak (compiled step)", mib(self.memory.peak))]
+            if self.memory.host:
+                rows.append(("per-device state in host memory (offloaded)", mib(self.memory.host)))
         return rows
 
 

@@ -88,7 +88,9 @@ def fused_backend(cfg: Config, *, notice: bool = False) -> str | None:
     if setting is False or (setting == "auto" and platform == "cpu"):
         return None
     why = None
-    if name == "Adam" and not p["adam_w_mode"]:
+    if cfg.zero_optimization.offload_optimizer.device != "none":
+        why = "zero_optimization.offload_optimizer runs the update on the host, where Pallas does not"
+    elif name == "Adam" and not p["adam_w_mode"]:
         why = "the fused step is AdamW's (adam_w_mode: true)"
     backend = pallas_backend(platform)
     if backend is None and why is None:

@@ -19,6 +19,7 @@ import numpy as np
 
 from jzero import hlo
 from jzero.hlo import COLLECTIVES, DTYPE_BYTES
+from jzero.sharding import HOST_KINDS
 
 
 # ------------------------------------------------------------------------------------------
@@ -27,7 +28,9 @@ from jzero.hlo import COLLECTIVES, DTYPE_BYTES
 @dataclass(frozen=True)
 class MemoryReport:
     """Bytes per device. ``arguments`` = params + opt_state + batch + other (persistent state
-    is params + opt_state + other); ``peak`` = arguments + outputs + temp - aliased."""
+    is params + opt_state + other); ``peak`` = arguments + outputs + temp - aliased. ``host``:
+    the state's bytes in host memory (offloaded: from the arguments' memory kinds, since
+    ``memory_analysis()`` reports no host bytes on CPU, where everything is host memory)."""
 
     arguments: int
     outputs: int
@@ -38,6 +41,8 @@ class MemoryReport:
     batch: int
     other: int
     num_params: int
+    host: int = 0
+    host_in_arguments: bool = True  # whether ``arguments`` counts the host bytes too (CPU)
 
     @property
     def peak(self) -> int:
@@ -46,6 +51,11 @@ class MemoryReport:
     @property
     def persistent(self) -> int:
         return self.arguments - self.batch
+
+    @property
+    def device_persistent(self) -> int:
+        """The persistent state in device memory: what offloading takes off the accelerator."""
+        return self.persistent - (self.host if self.host_in_arguments else 0)
 
     def per_param(self, nbytes: int) -> float:
         return nbytes / self.num_params
@@ -58,20 +68,24 @@ def memory(compiled: Any) -> MemoryReport:
     if stats is None:
         raise RuntimeError("this backend reports no memory_analysis() for compiled programs")
     groups: dict[str, int] = defaultdict(int)
-    num_params = 0
+    num_params = host = 0
     shardings = {jax.tree_util.keystr(p): s
                  for p, s in jax.tree_util.tree_flatten_with_path(compiled.input_shardings[0])[0]}
     for path, info in jax.tree_util.tree_flatten_with_path(compiled.args_info[0])[0]:
-        nbytes = shard_bytes(info.shape, info.dtype, shardings.get(jax.tree_util.keystr(path)))
+        sharding = shardings.get(jax.tree_util.keystr(path))
+        nbytes = shard_bytes(info.shape, info.dtype, sharding)
         group = _argument_group(path)
         groups[group] += nbytes
+        if getattr(sharding, "memory_kind", None) in HOST_KINDS:
+            host += nbytes
         if group == "params":
             num_params += math.prod(info.shape)
     return MemoryReport(arguments=stats.argument_size_in_bytes, outputs=stats.output_size_in_bytes,
                         temp=stats.temp_size_in_bytes, aliased=stats.alias_size_in_bytes,
                         params=groups["params"], opt_state=groups["opt_state"], batch=groups["batch"],
                         other=stats.argument_size_in_bytes - groups["params"] - groups["opt_state"]
-                        - groups["batch"], num_params=num_params)
+                        - groups["batch"], num_params=num_params, host=host,
+                        host_in_arguments=not stats.host_argument_size_in_bytes)
 
 
 def shard_bytes(shape: tuple[int, ...], dtype: Any, sharding: Any) -> int:
@@ -176,15 +190,21 @@ class Analytic:
 
 
 def analytic(num_params: int, stage: int, n: int, *, largest_layer_params: int = 0,
-             accumulation: int = 1) -> Analytic:
+             accumulation: int = 1, offload: bool = False) -> Analytic:
     """The formulas for ``num_params`` at ``stage`` over ``n`` shards; ``comm_elements`` per step
     with ``accumulation`` micro-batches: DeepSpeed's 2 Psi at stages 0-1 (reduced once), (k + 1) Psi
-    at stage 2 and 3k Psi at stage 3 (reduced every micro-batch)."""
+    at stage 2 and 3k Psi at stage 3 (reduced every micro-batch). ``offload`` (ZeRO-Offload):
+    jzero keeps the fp32 master and the optimizer state sharded in host memory (12 Psi / N) and
+    nothing on the device between steps; DeepSpeed's estimator counts its 2 Psi of fp16 params
+    on the GPU (stage 3: the largest layer's)."""
     psi = float(num_params)
     paper = {0: 16 * psi, 1: 4 * psi + 12 * psi / n, 2: 2 * psi + 14 * psi / n, 3: 16 * psi / n}[stage]
     deepspeed = {0: 16 * psi, 1: 4 * psi + 12 * psi / n, 2: 2 * psi + 18 * psi / n,
                  3: 4 * largest_layer_params + 18 * psi / n}[stage]
     jzero = {0: 12 * psi, 1: 4 * psi + 8 * psi / n, 2: 4 * psi + 8 * psi / n, 3: 12 * psi / n}[stage]
+    if offload:
+        deepspeed = 4 * largest_layer_params if stage == 3 else 2 * psi
+        jzero = 12 * psi / n
     k = accumulation
     comm_elements = {0: 2, 1: 2, 2: k + 1, 3: 3 * k}[stage] * psi
     return Analytic(paper_bytes=paper, deepspeed_bytes=deepspeed, jzero_bytes=jzero, comm_elements=comm_elements)

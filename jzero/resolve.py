@@ -110,11 +110,7 @@ def _enabled(value: Any) -> bool:
 
 
 def _check_unsupported_zero(zero: ZeroConfig) -> None:
-    for name in ("offload_optimizer", "offload_param"):
-        device = getattr(zero, name).device
-        if device != "none":
-            raise ConfigError(f"zero_optimization.{name}.device: '{device}' offload is not supported "
-                              "(valid: 'none'); ZeRO-3 sharding over more devices is the jzero way")
+    _check_offload(zero)
     for name in ("zero_quantized_weights", "zero_quantized_gradients"):
         if getattr(zero, name):
             raise ConfigError(f"zero_optimization.{name}: quantized ZeRO++ collectives are not supported "
@@ -122,6 +118,48 @@ def _check_unsupported_zero(zero: ZeroConfig) -> None:
     if zero.mics_shard_size > 0:
         raise ConfigError("zero_optimization.mics_shard_size: MiCS is not supported; "
                           "use zero_hpz_partition_size for hierarchical sharding")
+
+
+def _check_offload(zero: ZeroConfig) -> None:
+    """ZeRO-Offload (optimizer) at stages 1-3 and ZeRO-Infinity's parameter offload at stage 3,
+    both to host memory; NVMe-only knobs are refused rather than ignored."""
+    for name in ("offload_optimizer", "offload_param"):
+        off = getattr(zero, name)
+        where = f"zero_optimization.{name}"
+        if off.device == "nvme":
+            raise ConfigError(f"{where}.device: NVMe offload is not supported; use 'cpu' (host memory, "
+                              "pinned with pin_memory: true)")
+        if off.device == "none":
+            continue
+        if off.nvme_path is not None:
+            raise ConfigError(f"{where}.nvme_path: only meaningful with device 'nvme', which is not supported")
+        if off.ratio != 1.0:
+            raise ConfigError(f"{where}.ratio: partial offload is not supported (valid: 1.0)")
+        if not off.pin_memory:
+            warnings.warn(f"{where}.pin_memory: false, but the compiled step can only write host arrays to "
+                          "pinned host memory (XLA host offloading); using pinned memory", ConfigWarning, stacklevel=3)
+        if off.buffer_count != 4 or off.fast_init:
+            warnings.warn(f"{where}: buffer_count / fast_init tune DeepSpeed's NVMe and CPU-Adam buffers; "
+                          "no effect here (XLA moves the arrays)", ConfigWarning, stacklevel=3)
+    if zero.offload_optimizer.device == "cpu" and zero.stage == 0:
+        raise ConfigError("zero_optimization.offload_optimizer: needs ZeRO stage 1, 2 or 3 (got stage 0)")
+    if zero.offload_param.device == "cpu":
+        if zero.stage != 3:
+            raise ConfigError(f"zero_optimization.offload_param: parameter offload needs ZeRO stage 3 "
+                              f"(got stage {zero.stage})")
+        if zero.offload_optimizer.device != "cpu":
+            raise ConfigError("zero_optimization.offload_param: needs offload_optimizer.device 'cpu' too "
+                              "(the offloaded compute params are cast from the offloaded master copy)")
+
+
+def offload_kinds(zero: ZeroConfig) -> tuple[str | None, str | None]:
+    """(memory kind of master params + optimizer state, of compute params): "pinned_host" for
+    offloaded sections, None on the device. Always pinned: a jitted program moves arrays only
+    to pinned host memory (``device_put`` to "unpinned_host" inside ``jit`` is a no-op)."""
+    def kind(off):
+        return None if off.device == "none" else "pinned_host"
+
+    return kind(zero.offload_optimizer), kind(zero.offload_param)
 
 
 def _positive(where: str, value: Any, minimum: float = 1) -> None:

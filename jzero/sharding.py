@@ -38,6 +38,7 @@ from jzero.mesh import DATA_AXES
 
 FSDP = "fsdp"
 STACKED_KEY = "stacked"  # params under this key carry a leading stacked-layer dimension
+HOST_KINDS = ("pinned_host", "unpinned_host")  # JAX memory kinds of host memory
 
 
 class ZeroRule(NamedTuple):
@@ -59,20 +60,30 @@ ZERO_RULES: dict[int, ZeroRule] = {
 class Plan:
     """Where every leaf lives. Trees of `NamedSharding` shaped like params / opt_state.
 
-    ``params``: stored (fp32 master) params. ``grads``: reduced gradients and the accumulator.
-    ``update``: where the optimizer update runs (the opt-state layout of each param).
-    ``opt_state``: optimizer state. ``batch``: leading (global batch) dim over all data axes.
-    Compared and hashed by identity: it is static data of the jitted step.
+    ``params``: stored (fp32 master) params. ``compute``: the params forward and backward read
+    (the stored layout of the ZeRO table; same as ``params`` unless the optimizer is offloaded).
+    ``grads``: reduced gradients and the accumulator. ``update``: where the optimizer update runs
+    (the opt-state layout of each param). ``opt_state``: optimizer state. ``batch``: leading
+    (global batch) dim over all data axes. ``offload``: the host memory kind of the master
+    params and optimizer state (None: device memory). Compared and hashed by identity: it is
+    static data of the jitted step.
     """
 
     mesh: Mesh
     stage: int
     params: Any
+    compute: Any
     grads: Any
     update: Any
     opt_state: Any
     batch: NamedSharding
     replicated: NamedSharding
+    offload: str | None = None
+
+    @property
+    def compute_on_host(self) -> bool:
+        """Whether the compute params live in host memory (offload_param)."""
+        return any(s.memory_kind in HOST_KINDS for s in jax.tree.leaves(self.compute))
 
     @property
     def fsdp_size(self) -> int:
@@ -80,11 +91,15 @@ class Plan:
 
 
 def plan(params_shape: Any, tx: optax.GradientTransformation, mesh: Mesh, stage: int, *,
-         persistence_threshold: int = 0, model_specs: Any = None) -> Plan:
+         persistence_threshold: int = 0, model_specs: Any = None, offload: str | None = None,
+         offload_params: str | None = None) -> Plan:
     """The Plan for ``stage`` over ``mesh`` for params shaped like ``params_shape``.
 
     ``model_specs``: optional tree of PartitionSpecs the model already uses (tensor parallel);
-    ZeRO keeps them and adds "fsdp" to a free dimension.
+    ZeRO keeps them and adds "fsdp" to a free dimension. ``offload``: host memory kind for the
+    fp32 master params and the optimizer state (ZeRO-Offload: both in the update layout, the
+    step updates them on the host); ``offload_params``: host memory kind for the compute params
+    too (ZeRO-Infinity, stage 3).
     """
     if stage not in ZERO_RULES:
         raise ValueError(f"zero_optimization.stage: {stage} is not one of 0, 1, 2, 3")
@@ -100,14 +115,18 @@ def plan(params_shape: Any, tx: optax.GradientTransformation, mesh: Mesh, stage:
         return jax.tree.map(lambda ls: NamedSharding(mesh, getattr(ls, field)), per_leaf,
                             is_leaf=lambda x: isinstance(x, LeafSpecs))
 
-    update = layout("update")
+    def in_memory(tree: Any, kind: str | None) -> Any:
+        return tree if kind is None else jax.tree.map(lambda s: s.with_memory_kind(kind), tree)
+
+    update, compute = in_memory(layout("update"), offload), in_memory(layout("params"), offload_params)
     replicated = NamedSharding(mesh, P())
     opt_shape = jax.eval_shape(tx.init, params_shape)
     opt_state = optax.tree_map_params(tx, lambda _, s: s, opt_shape, update,
-                                      transform_non_params=lambda _: replicated,
+                                      transform_non_params=lambda _: in_memory(replicated, offload),
                                       is_leaf=lambda x: isinstance(x, NamedSharding))
-    return Plan(mesh=mesh, stage=stage, params=layout("params"), grads=layout("grads"), update=update,
-                opt_state=opt_state, batch=NamedSharding(mesh, P(DATA_AXES)), replicated=replicated)
+    return Plan(mesh=mesh, stage=stage, params=compute if offload is None else update, compute=compute,
+                grads=layout("grads"), update=update, opt_state=opt_state, batch=NamedSharding(mesh, P(DATA_AXES)),
+                replicated=replicated, offload=offload)
 
 
 class LeafSpecs(NamedTuple):

@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 from jzero import optim, precision, sharding, treepath
 from jzero.config import Config, ConfigError
 from jzero.mesh import data_parallel_size, make_mesh
-from jzero.resolve import resolve_auto_sizes
+from jzero.resolve import offload_kinds, resolve_auto_sizes
 
 LossFn = Callable[[Any, Any, jax.Array], Any]
 
@@ -65,6 +65,15 @@ def init(init_fn: Callable[[jax.Array], Any], config: Config, *, loss_fn: LossFn
     return TrainState(step=replicated(lambda: jnp.zeros((), jnp.int32), plan), params=params,
                       opt_state=opt_state, rng=step_rng, loss_scale=loss_scale, loss_fn=loss_fn, tx=prep.tx,
                       plan=plan, config=prep.config)
+
+
+def device_params(state: TrainState) -> Any:
+    """The (fp32 master) params in device memory, for code outside the step that reads them
+    (sampling, a hand-written evaluation): offloaded params are copied to the device, others
+    returned as they are."""
+    if state.plan.offload is None:
+        return state.params
+    return jax.device_put(state.params, jax.tree.map(lambda s: s.with_memory_kind("device"), state.plan.params))
 
 
 def replicated(fn: Callable[..., Any], plan: sharding.Plan, *args: Any) -> Any:
@@ -135,7 +144,8 @@ def _prepare(init_fn, config, rng, mesh, model_specs) -> _Prepared:
         raise ConfigError("init_fn returned no parameters (an empty pytree)")
     config = resolve_auto_sizes(config, params_shape)
     opt = optim.build(config)
+    offload, offload_params = offload_kinds(config.zero_optimization)
     plan = sharding.plan(params_shape, opt.tx, mesh, config.zero_optimization.stage,
                          persistence_threshold=config.zero_optimization.stage3_param_persistence_threshold,
-                         model_specs=model_specs)
+                         model_specs=model_specs, offload=offload, offload_params=offload_params)
     return _Prepared(config, key, opt.tx, make_params, plan)

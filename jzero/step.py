@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+from jax.experimental.compute_on import compute_on
 from jax.sharding import PartitionSpec as P
 
 from jzero import fused, hooks, optim, precision
@@ -42,7 +43,7 @@ def train_step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax
     rng = jax.random.fold_in(state.rng, state.step)
     scaler = precision.loss_scaler(cfg)
     scale = state.loss_scale.scale if scaler is not None else jnp.float32(1.0)
-    loss, aux, grads = _accumulated_grads(state, batch, rng, scale)
+    loss, aux, grads = _accumulated_grads(state, _compute_params(state), batch, rng, scale)
     scaled_norm = optax.tree.norm(grads)  # the one global reduction: also the overflow check
     grad_norm = scaled_norm / scale
     divisor = scale
@@ -53,22 +54,18 @@ def train_step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax
     # An fp16 overflow anywhere (the norm is not finite) skips the step on every device: params
     # and optimizer state (and so the LR schedule's count) stay bit-identical.
     overflow = ~jnp.isfinite(scaled_norm) if scaler is not None else jnp.bool_(False)
-    grads = _constrain(grads, plan.update)
-    params = _constrain(state.params, plan.update)
-    is_fused = optim.fused_backend(cfg) is not None
     with jax.named_scope("optimizer"):
-        params, opt_state = _update(state, grads, params, divisor, overflow, is_fused)
-    params = _constrain(params, plan.params)
-    opt_state = _constrain(opt_state, plan.opt_state)
+        if plan.offload is None:
+            params, opt_state = _apply_update(state, grads, divisor, overflow)
+        else:  # ZeRO-Offload: the gradient shards go to the host, which updates its master copy
+            grads = jax.device_put(grads, plan.update)
+            divisor, overflow = jax.device_put((divisor, overflow), plan.replicated.with_memory_kind(plan.offload))
+            with compute_on("device_host"):
+                params, opt_state = _apply_update(state, grads, divisor, overflow)
+            params, opt_state = jax.device_put((params, opt_state), (plan.params, plan.opt_state))  # scalars too
     loss_scale = state.loss_scale
     metrics = {"loss": loss, "grad_norm": grad_norm}
     if scaler is not None:
-        def keep_on_overflow(old, new):  # the fused kernel already kept its arrays
-            return new if is_fused and new.ndim else jnp.where(overflow, old, new)
-
-        if not is_fused:
-            params = jax.tree.map(keep_on_overflow, state.params, params)
-        opt_state = jax.tree.map(keep_on_overflow, state.opt_state, opt_state)
         loss_scale = scaler.update(state.loss_scale, overflow)
         metrics.update(loss_scale=state.loss_scale.scale, skipped=overflow, skipped_total=loss_scale.skipped,
                        loss_scale_at_min=state.loss_scale.scale <= scaler.min_scale)
@@ -76,6 +73,25 @@ def train_step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax
     if aux is not None:
         metrics["aux"] = aux
     return state.replace(step=state.step + 1, params=params, opt_state=opt_state, loss_scale=loss_scale), metrics
+
+
+def _apply_update(state: TrainState, grads: Any, divisor: jax.Array, overflow: jax.Array) -> tuple[Any, Any]:
+    """(new params, new opt_state), laid out per the Plan: the update runs in each param's
+    optimizer-state layout and the new params are moved back to the stored layout (the
+    all-gather of stages 1-2). On an fp16 overflow both stay as they were."""
+    plan = state.plan
+    is_fused = optim.fused_backend(state.config) is not None
+    grads, params = _constrain(grads, plan.update), _constrain(state.params, plan.update)
+    params, opt_state = _update(state, grads, params, divisor, overflow, is_fused)
+    params, opt_state = _constrain(params, plan.params), _constrain(opt_state, plan.opt_state)
+    if precision.loss_scaler(state.config) is not None:
+        def keep_on_overflow(old, new):  # the fused kernel already kept its arrays
+            return new if is_fused and new.ndim else jnp.where(overflow, old, new)
+
+        if not is_fused:
+            params = jax.tree.map(keep_on_overflow, state.params, params)
+        opt_state = jax.tree.map(keep_on_overflow, state.opt_state, opt_state)
+    return params, opt_state
 
 
 def _update(state: TrainState, grads: Any, params: Any, divisor: jax.Array, overflow: jax.Array,
@@ -90,6 +106,19 @@ def _update(state: TrainState, grads: Any, params: Any, divisor: jax.Array, over
         grads = jax.tree.map(lambda g: g / divisor.astype(g.dtype), grads)
     updates, opt_state = state.tx.update(grads, state.opt_state, params)
     return optax.apply_updates(params, updates), opt_state
+
+
+def _compute_params(state: TrainState) -> Any:
+    """The params forward and backward read, in ``plan.compute``: the stored fp32 params, or
+    under ZeRO-Offload their cast to the compute dtype, made on the host from the master copy
+    and moved to the device (the all-gather of the new params of stages 1-2), or left on the
+    host with offload_param, for the hooks to bring one layer at a time."""
+    plan = state.plan
+    if plan.offload is None:
+        return state.params
+    with compute_on("device_host"):
+        low = precision.cast_floating(state.params, precision.policy(state.config).compute_dtype)
+    return _constrain(jax.device_put(low, plan.compute), plan.compute)
 
 
 def _loss_and_aux(state: TrainState, params: Any, batch: Any, rng: jax.Array, scale: Any = 1.0,
@@ -114,7 +143,7 @@ def _hooked(state: TrainState) -> Any:
     plan = state.plan
     if ZERO_RULES[plan.stage].reduce_once:
         return None
-    return hooks.leaf_hooks(plan.params, plan.grads, state.params)
+    return hooks.leaf_hooks(plan.compute, plan.grads, state.params)
 
 
 def _local_loss(state: TrainState, hooked: Any, stored: Any, targets: Any, acc: Any, rows: Any, rng: jax.Array,
@@ -127,13 +156,14 @@ def _local_loss(state: TrainState, hooked: Any, stored: Any, targets: Any, acc: 
     if hooked is None and acc is None:
         return _loss_and_aux(state, targets, rows, rng, scale)
     pol = precision.policy(state.config)
-    ctx = hooks.HookContext(compute_dtype=pol.compute_dtype, comm_dtype=pol.comm_dtype)  # this trace's
+    ctx = hooks.HookContext(compute_dtype=pol.compute_dtype, comm_dtype=pol.comm_dtype,  # this trace's
+                            on_host=state.plan.compute_on_host)
     params = (hooks.bind(ctx, hooked, stored, targets) if hooked is not None
               else hooks.bind_accumulators(ctx, targets, acc))
     return _loss_and_aux(state, params, rows, rng, scale, ctx)
 
 
-def _accumulated_grads(state: TrainState, batch: Any, rng: jax.Array, scale: Any):
+def _accumulated_grads(state: TrainState, stored: Any, batch: Any, rng: jax.Array, scale: Any):
     """(mean loss, mean aux, mean grads of loss x scale) over the micro-batches, laid out per
     plan.grads and reduced where the stage's row of the ZeRO table says.
 
@@ -177,9 +207,15 @@ def _accumulated_grads(state: TrainState, batch: Any, rng: jax.Array, scale: Any
         aux = None if aux is None else jax.tree.map(lambda a: jax.lax.pmean(a, DATA_AXES), aux)
         return jax.lax.psum(loss, DATA_AXES) / count, aux, jax.tree.map(lambda g: g / count, acc)
 
-    specs = jax.tree.map(lambda s: s.spec, (plan.params, plan.grads))
+    specs = jax.tree.map(lambda s: s.spec, (plan.compute, plan.grads))
     return jax.shard_map(local, mesh=plan.mesh, in_specs=(*specs, P(DATA_AXES), P(), P()),
-                         out_specs=(P(), P(), specs[1]))(state.params, state.params, batch, rng, scale)
+                         out_specs=(P(), P(), specs[1]))(stored, _targets(state), batch, rng, scale)
+
+
+def _targets(state: TrainState) -> Any:
+    """What the hooks of stages 2-3 send each reduced gradient to: fp32 zeros in the gradient
+    layout (only their type matters; XLA never materializes them)."""
+    return jax.tree.map(lambda p, s: _constrain(jnp.zeros(p.shape, jnp.float32), s), state.params, state.plan.grads)
 
 
 def _sum_over_micro_batches(grad_fn, micro: Any, rng: jax.Array, zeros: Any):
@@ -219,10 +255,10 @@ def eval_step(state: TrainState, batch: Any) -> jax.Array:
     plan, hooked = state.plan, _hooked(state)
 
     def local(stored, targets, rows):
-        params = stored if hooked is None else targets  # what _local_loss reads at the stage
+        params = stored if hooked is None else targets  # what _local_loss reads at this stage
         loss = _local_loss(state, hooked, stored, params, None, rows, state.rng, 1.0)[1][0]
         return jax.lax.pmean(loss, DATA_AXES)
 
-    specs = jax.tree.map(lambda s: s.spec, (plan.params, plan.grads))
+    specs = jax.tree.map(lambda s: s.spec, (plan.compute, plan.grads))
     return jax.shard_map(local, mesh=plan.mesh, in_specs=(*specs, P(DATA_AXES)), out_specs=P())(
-        state.params, state.params, batch)
+        _compute_params(state), _targets(state), batch)
