@@ -18,6 +18,7 @@ import jax
 from jzero import models, profile
 from jzero.config import Config
 from jzero.mesh import make_mesh
+from jzero.resolve import check_zero
 from jzero.sharding import ZERO_RULES, is_stacked
 from jzero.state import TrainState, abstract_init
 from jzero.step import train_step
@@ -89,6 +90,7 @@ def estimate(config: Config, stage: int | None = None) -> Estimate:
     if stage is not None:
         config = dataclasses.replace(config, zero_optimization=dataclasses.replace(
             config.zero_optimization, stage=stage))
+        check_zero(config.zero_optimization)
     compiled, state, _, _, compile_s = compile_step(config)
     cfg, mesh = state.config, state.plan.mesh
     mem = profile.memory(compiled)

@@ -70,7 +70,7 @@ def load_config(source: str | os.PathLike | Mapping[str, Any], *, dp_size: int |
     if cfg.activation_checkpointing is not None and "remat" not in raw.get("jzero", {}):
         remat_name = "offload" if cfg.activation_checkpointing.cpu_checkpointing else "full"
         cfg = dataclasses.replace(cfg, jzero=dataclasses.replace(cfg.jzero, remat=remat_name))
-    _check_unsupported_zero(cfg.zero_optimization)
+    check_zero(cfg.zero_optimization)
     if noops:
         warnings.warn(f"jzero ignores these DeepSpeed sections (no effect under XLA): {', '.join(noops)}",
                       ConfigWarning, stacklevel=2)
@@ -109,7 +109,9 @@ def _enabled(value: Any) -> bool:
     return bool(value)
 
 
-def _check_unsupported_zero(zero: ZeroConfig) -> None:
+def check_zero(zero: ZeroConfig) -> None:
+    """ConfigError for a ``zero_optimization`` section jzero cannot run (checked again by
+    whoever changes the stage after loading, e.g. `jzero estimate --stage`)."""
     _check_offload(zero)
     for name in ("zero_quantized_weights", "zero_quantized_gradients"):
         if getattr(zero, name):
