@@ -20,7 +20,7 @@ _EXPORTS = {
     "make_mesh": "jzero.mesh", "Plan": "jzero.sharding",
     "TrainState": "jzero.state", "abstract_init": "jzero.state", "device_params": "jzero.state",
     "init": "jzero.state",
-    "train_step": "jzero.step",
+    "train_step": "jzero.step", "gather_rows": "jzero.rows", "row_offset": "jzero.rows",
 }
 __all__ = sorted(_EXPORTS) + ["__version__"]
 

@@ -29,12 +29,13 @@ def default_inputs(batch: Any) -> Any:
 def from_linen(module: nn.Module, sample_input: Any, loss: Loss, *,
                inputs: Callable[[Any], Any] = default_inputs,
                apply_kwargs: Mapping[str, Any] | None = None) -> tuple[Callable, Callable]:
-    """(init_fn, loss_fn) for a Linen module. ``sample_input`` (array or ShapeDtypeStruct) fixes
-    the input shape for ``init``; the RNG of each step is passed as the ``dropout`` stream."""
+    """(init_fn, loss_fn) for a Linen module. ``sample_input`` (arrays or ShapeDtypeStructs, any
+    pytree) fixes the input shapes for ``init``; the RNG of each step is passed as the
+    ``dropout`` stream."""
     kwargs = dict(apply_kwargs or {})
 
     def init_fn(rng):
-        sample = jnp.zeros(sample_input.shape, sample_input.dtype)
+        sample = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sample_input)
         return module.init({"params": rng, "dropout": rng}, sample, **kwargs)["params"]
 
     def loss_fn(params, batch, rng):

@@ -165,7 +165,8 @@ class MeshConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Reference model for the CLI. ``size`` picks a preset; other keys override it."""
+    """Reference model for the CLI. ``size`` picks a preset; other keys override it (each model
+    takes the keys its preset has)."""
 
     name: str = "gpt"  # a key of jzero.models.MODELS
     size: str = "tiny"
@@ -177,6 +178,14 @@ class ModelConfig:
     d_ff: int | None = None
     positions: Literal["learned", "rotary"] | None = None
     tie_embeddings: bool | None = None
+    image_size: int | None = None  # vit, clip: square images of this many pixels a side
+    patch_size: int | None = None
+    channels: int | None = None
+    num_classes: int | None = None  # vit
+    pool: Literal["cls", "mean"] | None = None
+    embed_dim: int | None = None  # clip: the shared image-text embedding
+    text_len: int | None = None  # clip: caption length in bytes
+    text_layers: int | None = None
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,9 @@
-"""`Engine`: the DeepSpeed-style façade that trains the reference GPT from a config.
+"""`Engine`: the DeepSpeed-style façade that trains a config's task (`jzero.tasks`).
 
-It joins the pieces a user would otherwise wire by hand: corpus -> model -> sharded state ->
+It joins the pieces a user would otherwise wire by hand: task (data + model) -> sharded state ->
 AOT-compiled step (compile time and per-device memory read from the executable) -> the loop
-with progress, logs, held-out evaluation, a summary and a generated sample. `jzero train` is a
-thin shell over it.
+with progress, logs, held-out evaluation (loss and the task's metrics), a summary and the
+task's preview. `jzero train` is a thin shell over it.
 """
 from __future__ import annotations
 
@@ -11,34 +11,25 @@ import time
 from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from jzero import data, models, profile
+from jzero import profile, tasks
 from jzero.checkpoint import Checkpointer
-from jzero.config import Config, ConfigError
+from jzero.config import Config
 from jzero.mesh import make_mesh
-from jzero.models import gpt
 from jzero.monitor import Monitor, RunSummary
-from jzero.state import TrainState, abstract_init, device_params, init
+from jzero.state import TrainState, abstract_init, init
 from jzero.step import eval_step, train_step
-
-SAMPLE_PROMPT = b"def "
-SAMPLE_TOKENS = 160
 
 
 class Engine:
-    """Builds the GPT, data and sharded state for ``config``; `train` runs the loop."""
+    """Builds the task (data and model) and the sharded state for ``config``; `train` runs the loop."""
 
     def __init__(self, config: Config, checkpointer: Checkpointer | None = None):
         """With a ``checkpointer`` holding a step, the state is restored from its newest readable
         step (onto this config's mesh and stage) instead of freshly initialised."""
-        self.corpus = data.load_corpus(config.jzero.data)
-        self.model = models.build(config)
-        self.model_cfg = self.model.spec
-        if self.corpus.vocab_size > self.model_cfg.vocab_size:
-            raise ConfigError(f"jzero.model.vocab_size: {self.model_cfg.vocab_size} is smaller than the data's "
-                              f"vocabulary ({self.corpus.vocab_size} in {self.corpus.source})")
+        self.task = tasks.build(config)
+        self.model = self.task.model
         init_fn, loss_fn = self.model.init_fn, self.model.loss_fn
         mesh = make_mesh(config)
         self.resumed = checkpointer is not None and checkpointer.latest_step() is not None
@@ -54,7 +45,7 @@ class Engine:
         from jzero.mesh import data_parallel_size
 
         cfg, mesh = self.config, self.state.plan.mesh
-        lines = [f"jzero: {data.describe(self.corpus)}",
+        lines = [f"jzero: {self.task.describe}",
                  f"jzero: {self.model.name.upper()} {cfg.jzero.model.size} ({self.num_params:,} params), ZeRO stage "
                  f"{cfg.zero_optimization.stage}, mesh {dict(mesh.shape)} on {jax.devices()[0].platform}, "
                  f"batch {cfg.train_batch_size} = micro {cfg.train_micro_batch_size_per_gpu} x accum "
@@ -67,12 +58,11 @@ class Engine:
         return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.state.params))
 
     def batch(self, split: str, step: int) -> dict:
-        tokens = self.corpus.train if split == "train" else self.corpus.heldout
-        return data.global_batch(tokens, self.config.seed, split, step, self.config.train_batch_size,
-                                 self.model_cfg.seq_len, self.state.plan.batch)
+        return self.task.batch(split, step, self.config.train_batch_size, self.state.plan.batch)
 
-    def evaluate(self) -> float:
-        """Mean held-out loss over ``jzero.train.eval_batches`` fixed batches.
+    def evaluate(self) -> dict[str, float]:
+        """``eval_loss``, the mean held-out loss over ``jzero.train.eval_batches`` fixed batches,
+        and the task's held-out metrics.
 
         At most two batches are in flight: XLA's CPU runtime aborts with a collective rendezvous
         timeout when hundreds of sharded programs are queued at once (docs/design.md).
@@ -82,15 +72,11 @@ class Engine:
             losses.append(eval_step(self.state, self.batch("heldout", i)))
             if i:
                 losses[i - 1].block_until_ready()
-        return float(np.mean(jax.device_get(losses)))
+        return {"eval_loss": float(np.mean(jax.device_get(losses))), **self.task.evaluate(self.state)}
 
-    def sample(self, num_tokens: int = SAMPLE_TOKENS) -> str:
-        prompt = jnp.asarray(np.frombuffer(SAMPLE_PROMPT, np.uint8).astype(np.int32))
-        tokens = gpt.generate(self.model_cfg, device_params(self.state), prompt, num_tokens,
-                              jax.random.key(self.config.seed))
-        if self.corpus.vocab_size != 256:
-            return " ".join(map(str, jax.device_get(tokens).tolist()))
-        return (SAMPLE_PROMPT + bytes(np.asarray(tokens, np.uint8))).decode("utf-8", errors="replace")
+    def sample(self) -> str:
+        """The task's preview of the current model (a generated sample, held-out predictions)."""
+        return self.task.preview(self.state)
 
     def train(self, steps: int, monitor: Monitor, checkpointer: Checkpointer | None = None,
               should_stop: Callable[[], bool] | None = None) -> RunSummary:
@@ -100,7 +86,7 @@ class Engine:
         early, after a whole step, when ``should_stop()`` turns true (a signal arrived).
         """
         cfg, summary = self.config, RunSummary()
-        tokens_per_step = cfg.train_batch_size * self.model_cfg.seq_len
+        tokens_per_step = cfg.train_batch_size * self.model.tokens_per_example
         start = summary.steps = int(self.state.step)
         t0 = time.perf_counter()
         compiled = train_step.lower(self.state, self.batch("train", start)).compile()
@@ -126,10 +112,11 @@ class Engine:
             if is_eval or done % cfg.steps_per_print == 0 or summary.stopped:
                 row = {"step": done, **metrics, "tokens_per_s": tps, "eval_loss": None}
                 if is_eval:
-                    row["eval_loss"] = self.evaluate()
+                    row.update(self.evaluate())
                     if np.isnan(summary.first_eval_loss):
                         summary.first_eval_loss = row["eval_loss"]
                     summary.eval_loss = row["eval_loss"]
+                    summary.eval_metrics = {k: row[k] for k in self.task.metrics}
                 monitor.log(row)
                 window_time, window_steps = 0.0, 0
             summary.train_loss, summary.steps = metrics["loss"], done

@@ -8,7 +8,7 @@ Only process 0 writes or prints.
 from __future__ import annotations
 
 import csv
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,7 @@ class RunSummary:
     devices: int = 1
     compile_s: float = 0.0
     memory: Any = None  # jzero.profile.MemoryReport of the compiled step, per device (None: not reported)
+    eval_metrics: dict[str, float] = field(default_factory=dict)  # the task's, at the last evaluation
     sample: str = ""
     stopped: bool = False  # ended early by should_stop (a signal)
 
@@ -46,6 +47,7 @@ class RunSummary:
         rows = [("steps", f"{self.steps}"),
                 ("final train loss", f"{self.train_loss:.4f}"),
                 ("held-out loss", f"{self.first_eval_loss:.4f} -> {self.eval_loss:.4f} ({drop:.0%} lower)"),
+                *((f"held-out {name}", f"{value:.4f}") for name, value in self.eval_metrics.items()),
                 ("tokens/s", f"{self.tokens_per_s:,.0f}"),
                 ("samples/s", f"{self.samples_per_s:,.1f}"),
                 ("step time (compile excluded)", f"{1e3 * self.step_s:,.1f} ms"),
@@ -72,31 +74,32 @@ class CsvWriter:
     ``start_step`` keeps the rows up to it (rows a killed run logged after its last checkpoint
     are dropped: the resumed run logs those steps again) and appends."""
 
-    def __init__(self, path: Path, start_step: int):
+    def __init__(self, path: Path, start_step: int, columns: tuple[str, ...] = CSV_COLUMNS):
+        self.columns = columns
         path.parent.mkdir(parents=True, exist_ok=True)
         fresh = start_step == 0 or not path.exists() or path.stat().st_size == 0
         if not fresh:
-            _truncate_after(path, start_step)
+            _truncate_after(path, start_step, columns)
         self._file = open(path, "w" if fresh else "a", newline="", encoding="utf-8")
-        self._writer = csv.DictWriter(self._file, fieldnames=CSV_COLUMNS)
+        self._writer = csv.DictWriter(self._file, fieldnames=columns)
         if fresh:
             self._writer.writeheader()
             self._file.flush()
 
     def write(self, row: dict[str, Any]) -> None:
-        self._writer.writerow({k: _fmt(row.get(k)) for k in CSV_COLUMNS})
+        self._writer.writerow({k: _fmt(row.get(k)) for k in self.columns})
         self._file.flush()
 
     def close(self) -> None:
         self._file.close()
 
 
-def _truncate_after(path: Path, step: int) -> None:
+def _truncate_after(path: Path, step: int, columns: tuple[str, ...]) -> None:
     with open(path, newline="", encoding="utf-8") as f:
         rows = [row for row in csv.DictReader(f) if row.get("step", "").isdigit() and int(row["step"]) <= step]
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+        writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
     tmp.replace(path)
@@ -135,18 +138,21 @@ class Monitor:
     """Progress bar + log lines + metric writers for one run (silent on processes other than 0)."""
 
     def __init__(self, config: Config, out: Path, total_steps: int, start_step: int = 0,
-                 console: Console | None = None):
+                 console: Console | None = None, metrics: tuple[str, ...] = ()):
+        """``metrics``: the task's held-out metrics, columns of metrics.csv after ``eval_loss``."""
         self.active = jax.process_index() == 0
+        self.metrics, self._latest = metrics, ""
         self.console = console or Console(highlight=False, soft_wrap=True)
         self.print_every = config.steps_per_print
         self._writers: list[Any] = []
         self._progress = None
         if not self.active:
             return
-        self._writers.append(CsvWriter(out / "metrics.csv", start_step))
+        columns = (*CSV_COLUMNS, *metrics)
+        self._writers.append(CsvWriter(out / "metrics.csv", start_step, columns))
         if config.csv_monitor.enabled:
             self._writers.append(CsvWriter(_section_dir(config.csv_monitor, out, "csv_monitor") / "metrics.csv",
-                                           start_step))
+                                           start_step, columns))
         if config.tensorboard.enabled:
             self._writers.append(TensorBoardWriter(_section_dir(config.tensorboard, out, "tensorboard")))
         self._progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
@@ -162,7 +168,7 @@ class Monitor:
     def update(self, step: int, info: dict[str, float]) -> None:
         """Advance the bar to ``step`` showing loss / lr / tokens/s."""
         if self._progress is not None:
-            text = (f"loss {info['loss']:.4f}  lr {info['lr']:.2e}  {info['tokens_per_s']:,.0f} tok/s")
+            text = f"loss {info['loss']:.4f}  lr {info['lr']:.2e}  {info['tokens_per_s']:,.0f} tok/s{self._latest}"
             self._progress.update(self._task, completed=step, info=text)
 
     def log(self, row: dict[str, Any]) -> None:
@@ -175,6 +181,9 @@ class Monitor:
                  f"grad_norm {row['grad_norm']:.3f}", f"{row['tokens_per_s']:,.0f} tok/s"]
         if row.get("eval_loss") is not None:
             parts.append(f"held-out {row['eval_loss']:.4f}")
+            measured = [f"{name} {row[name]:.3f}" for name in self.metrics if row.get(name) is not None]
+            parts += measured
+            self._latest = "".join(f"  {m}" for m in measured)
         if row.get("loss_scale") is not None:
             parts.append(f"loss-scale {row['loss_scale']:g}  skipped {int(row['skipped_total'])}")
             if row.get("loss_scale_at_min"):

@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from jzero import fused, hooks, optim, precision
 from jzero.mesh import DATA_AXES, data_parallel_size
+from jzero.rows import split_over
 from jzero.sharding import ZERO_RULES
 from jzero.state import TrainState
 
@@ -128,7 +129,7 @@ def _loss_and_aux(state: TrainState, params: Any, batch: Any, rng: jax.Array, sc
     in the communication dtype)."""
     if ctx is None:
         params = precision.cast_floating(params, precision.policy(state.config).compute_dtype)
-    with hooks.active(ctx):
+    with hooks.active(ctx), split_over(DATA_AXES):
         out = state.loss_fn(params, batch, rng)
     if ctx is not None:
         hooks.check_used(ctx)

@@ -98,7 +98,7 @@ def _train(config: Config, out: Path, checkpointer: Checkpointer, flags: list[st
         say(f"jzero: already trained to step {start} (jzero.train.steps is {steps}); nothing to do. "
             "Pass --steps to train longer or --no-resume to start over.")
         return 0
-    monitor = Monitor(config, out, total_steps=steps, start_step=start)
+    monitor = Monitor(config, out, total_steps=steps, start_step=start, metrics=engine.task.metrics)
     for line in engine.header(flags):
         monitor.print(line)
     with StopOnSignals() as stop:
@@ -115,7 +115,7 @@ def _train(config: Config, out: Path, checkpointer: Checkpointer, flags: list[st
     summary.sample = engine.sample()
     peak = peak_tflops or profile.known_peak_tflops(jax.devices()[0].device_kind)
     monitor.summary("jzero train: summary", summary.rows(peak))
-    monitor.print(f"[bold]sample[/bold] (temperature 0.8):\n{escape(summary.sample)}")
+    monitor.print(f"[bold]{engine.task.preview_title}[/bold]:\n{escape(summary.sample)}")
     monitor.print(f"metrics: {out / 'metrics.csv'}")
     return 0
 

@@ -1,9 +1,12 @@
 """`Model`: what the engine, `jzero estimate`, autotune and profile need from a reference model."""
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from jzero.config import ConfigError, ModelConfig
 
 
 @dataclass(frozen=True)
@@ -21,3 +24,26 @@ class Model:
     example_batch: Callable[[int], dict[str, Any]]  # batch size -> {key: numpy array}
     flops: Callable[[int], dict[str, float]]  # batch size -> FLOPs of one step by part, "total" included
     tokens_per_example: int
+
+
+def from_section(section: ModelConfig, sizes: dict[str, Any], remat: str, positive: tuple[str, ...]) -> Any:
+    """The preset ``section.size`` of ``sizes`` with the section's other keys (those the preset
+    has) overriding it, and ``remat``; ConfigError naming the key for an unknown size or a
+    non-positive ``positive`` field, or one the model does not have."""
+    if section.size not in sizes:
+        raise ConfigError(f"jzero.model.size: unknown size '{section.size}'; valid: {', '.join(sizes)}")
+    preset = sizes[section.size]
+    names = {f.name for f in dataclasses.fields(preset)}
+    given = {f.name: getattr(section, f.name) for f in dataclasses.fields(section)
+             if f.name not in ("name", "size") and getattr(section, f.name) is not None}
+    for key in given:
+        if key not in names:
+            raise ConfigError(f"jzero.model.{key}: the {section.name} model has no such setting; "
+                              f"valid: {', '.join(sorted(names - {'remat'}))}")
+    cfg = dataclasses.replace(preset, remat=remat, **given)
+    for key in positive:
+        if getattr(cfg, key) < 1:
+            raise ConfigError(f"jzero.model.{key}: must be >= 1, got {getattr(cfg, key)}")
+    if cfg.d_model % cfg.n_heads:
+        raise ConfigError(f"jzero.model.n_heads: {cfg.n_heads} does not divide d_model {cfg.d_model}")
+    return cfg

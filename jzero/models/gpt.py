@@ -4,7 +4,6 @@ to the compute dtype, so the model itself has no dtype switches.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +18,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jzero.adapters import from_linen
 from jzero.config import Config, ConfigError, ModelConfig
 from jzero.layers import scan_layers
-from jzero.models.base import Model
+from jzero.models.base import Model, from_section
 
 
 @dataclass(frozen=True)
@@ -46,16 +45,7 @@ SIZES: dict[str, GPTConfig] = {
 
 def gpt_config(model: ModelConfig, remat: str = "full") -> GPTConfig:
     """The preset ``model.size`` with the section's other keys overriding it; checked."""
-    if model.size not in SIZES:
-        raise ConfigError(f"jzero.model.size: unknown size '{model.size}'; valid: {', '.join(SIZES)}")
-    overrides = {f.name: getattr(model, f.name) for f in dataclasses.fields(GPTConfig)
-                 if hasattr(model, f.name) and getattr(model, f.name) is not None}
-    cfg = dataclasses.replace(SIZES[model.size], remat=remat, **overrides)
-    for key in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "d_ff"):
-        if getattr(cfg, key) < 1:
-            raise ConfigError(f"jzero.model.{key}: must be >= 1, got {getattr(cfg, key)}")
-    if cfg.d_model % cfg.n_heads:
-        raise ConfigError(f"jzero.model.n_heads: {cfg.n_heads} does not divide d_model {cfg.d_model}")
+    cfg = from_section(model, SIZES, remat, ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "d_ff"))
     if cfg.positions == "rotary" and (cfg.d_model // cfg.n_heads) % 2:
         raise ConfigError("jzero.model.positions: rotary needs an even head size (d_model / n_heads)")
     return cfg
@@ -76,7 +66,11 @@ def _rotary(x: jax.Array) -> jax.Array:
 
 
 class Block(nn.Module):
-    cfg: GPTConfig
+    """Pre-LN transformer block; ``cfg`` needs n_heads, d_ff and positions (ViT and CLIP reuse it,
+    unmasked for images)."""
+
+    cfg: Any
+    causal: bool = True
 
     @nn.compact
     def __call__(self, x):
@@ -92,8 +86,9 @@ class Block(nn.Module):
             if cfg.positions == "rotary":
                 q, k = _rotary(q), _rotary(k)
             scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / jnp.sqrt(hd).astype(jnp.float32)
-            causal = jnp.tril(jnp.ones((t, t), dtype=bool))
-            probs = jax.nn.softmax(jnp.where(causal, scores, -1e30), axis=-1).astype(v.dtype)
+            if self.causal:
+                scores = jnp.where(jnp.tril(jnp.ones((t, t), dtype=bool)), scores, -1e30)
+            probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
             attn = checkpoint_name(jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, d), "attn_out")
             x = x + nn.Dense(d, kernel_init=_init, name="proj")(attn)
         with jax.named_scope("mlp"):
