@@ -76,6 +76,10 @@ class _TextTower:
     remat: str
 
 
+def _text_tower(cfg: CLIPConfig) -> _TextTower:
+    return _TextTower(cfg.text_layers, cfg.n_heads, cfg.d_ff, cfg.d_model, cfg.positions, cfg.remat)
+
+
 class TextEncoder(nn.Module):
     """Byte captions (batch, text_len), 0 = padding -> features (batch, d_model): a causal
     transformer read at each caption's last byte (its end, as CLIP reads its EOT token)."""
@@ -85,10 +89,9 @@ class TextEncoder(nn.Module):
     @nn.compact
     def __call__(self, texts):
         cfg = self.cfg
-        tower = _TextTower(cfg.text_layers, cfg.n_heads, cfg.d_ff, cfg.d_model, cfg.positions, cfg.remat)
         x = nn.Embed(VOCAB, cfg.d_model, embedding_init=_init, name="wte")(texts)
         x = x + self.param("wpe", _init, (cfg.text_len, cfg.d_model)).astype(x.dtype)
-        x = scan_layers(Block(tower, causal=True), cfg.text_layers, remat_policy=cfg.remat, name="blocks")(x)
+        x = scan_layers(Block(_text_tower(cfg), causal=True), cfg.text_layers, remat_policy=cfg.remat, name="blocks")(x)
         x = nn.LayerNorm(name="ln_f")(x)
         last = jnp.maximum(jnp.sum(texts != 0, axis=1) - 1, 0)
         return jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
@@ -145,14 +148,11 @@ def make(cfg: CLIPConfig) -> tuple[Any, Any]:
 
 
 def model_flops(cfg: CLIPConfig, batch: int) -> dict[str, float]:
+    """Both towers (`vit.tower_flops`) with their projections, and the two logit matmuls."""
     patch = cfg.patch_size ** 2 * cfg.channels * cfg.d_model
-    img_dense, img_attn = vit.tower_flops(cfg, batch * vit.tokens_per_example(cfg), patch + cfg.d_model * cfg.embed_dim)
-    text = _TextTower(cfg.text_layers, cfg.n_heads, cfg.d_ff, cfg.d_model, cfg.positions, cfg.remat)
-    d, L = cfg.d_model, cfg.text_layers
-    txt_dense = 6.0 * (L * (4 * d * d + 2 * d * text.d_ff) + d * cfg.embed_dim) * batch * cfg.text_len
-    txt_attn = 12.0 * L * d * cfg.text_len * batch * cfg.text_len
-    logits = 2 * 6.0 * cfg.embed_dim * batch * batch
-    dense = img_dense + txt_dense + logits
+    img_dense, img_attn = vit.tower_flops(cfg, batch, vit.tokens_per_example(cfg), patch + cfg.d_model * cfg.embed_dim)
+    txt_dense, txt_attn = vit.tower_flops(_text_tower(cfg), batch, cfg.text_len, cfg.d_model * cfg.embed_dim)
+    dense = img_dense + txt_dense + 2 * 6.0 * cfg.embed_dim * batch * batch
     return {"dense": dense, "attention": img_attn + txt_attn, "total": dense + img_attn + txt_attn}
 
 

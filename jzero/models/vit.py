@@ -90,11 +90,11 @@ class ViT(nn.Module):
             return nn.Dense(self.cfg.num_classes, kernel_init=nn.initializers.zeros, name="head")(x).astype(jnp.float32)
 
 
-def tower_flops(cfg: Any, tokens: int, extra_params: int = 0) -> tuple[float, float]:
-    """(dense, attention) training FLOPs of a transformer tower over ``tokens`` tokens: 6 x matmul
-    params x tokens, attention 12 x layers x d_model x sequence length per token."""
+def tower_flops(cfg: Any, examples: int, seq: int, extra_params: int = 0) -> tuple[float, float]:
+    """(dense, attention) training FLOPs of a transformer tower over ``examples`` sequences of
+    ``seq`` tokens: 6 x matmul params x tokens, attention 12 x layers x d_model x seq per token."""
     d, f, L = cfg.d_model, cfg.d_ff, cfg.n_layers
-    seq = tokens_per_example(cfg)
+    tokens = examples * seq
     dense = 6.0 * (L * (4 * d * d + 2 * d * f) + extra_params) * tokens
     return dense, 12.0 * L * d * seq * tokens
 
@@ -105,7 +105,7 @@ def tokens_per_example(cfg: ViTConfig) -> int:
 
 def model_flops(cfg: ViTConfig, batch: int) -> dict[str, float]:
     patch = cfg.patch_size ** 2 * cfg.channels * cfg.d_model
-    dense, attention = tower_flops(cfg, batch * tokens_per_example(cfg), patch)
+    dense, attention = tower_flops(cfg, batch, tokens_per_example(cfg), patch)
     head = 6.0 * cfg.d_model * cfg.num_classes * batch
     return {"dense": dense + head, "attention": attention, "total": dense + head + attention}
 
