@@ -1,9 +1,10 @@
 """Typed, frozen configuration with DeepSpeed's key names: the schema and its parser.
 
-The bottom of jzero's import graph: this module imports no other jzero module, so every module
-can read a `Config` and raise `ConfigError` without pulling anything else in. `parse_config`
-turns a DeepSpeed ``ds_config`` dict into the dataclasses below: an unknown key or a wrong type
-raises `ConfigError` with the dotted key path and what would be valid; the batch rule (micro x
+Near the bottom of jzero's import graph: it imports only `jzero.typed` (the generic JSON ->
+dataclass parser), so every module can read a `Config` and raise `ConfigError` without pulling
+anything else in. `parse_config` turns a DeepSpeed ``ds_config`` dict into the dataclasses
+below: an unknown key or a wrong type raises `ConfigError` with the dotted key path and what
+would be valid; the batch rule (micro x
 accum x dp = train) is resolved against a data-parallel size and re-resolved by `Config.for_dp`
 when the mesh differs. What DeepSpeed features jzero refuses, value ranges, and the sections
 owned by other modules (optimizer, scheduler, remat, model) are checked above this module, by
@@ -12,40 +13,13 @@ owned by other modules (optimizer, scheduler, remat, model) are checked above th
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import json
-import os
-import types
-import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-AUTO = "auto"
+from jzero.typed import AUTO, ConfigError, ConfigWarning, auto_field, parse, read_json, to_dict, unknown
 
-
-class ConfigError(ValueError):
-    """A config key is unknown, mistyped, out of range or inconsistent; the message names the key."""
-
-
-class ConfigWarning(UserWarning):
-    """A DeepSpeed key that jzero accepts but that has no effect under XLA."""
-
-
-def unknown(where: str, label: str, name: str, valid: Any, cutoff: float = 0.6) -> ConfigError:
-    """The error for an unknown name, with the closest valid one suggested and all listed."""
-    valid = list(valid)
-    close = difflib.get_close_matches(name, valid, n=1, cutoff=cutoff)
-    if not close:
-        lowered = {v.lower(): v for v in valid}
-        close = [lowered[c] for c in difflib.get_close_matches(name.lower(), lowered, n=1, cutoff=cutoff)]
-    hint = f"did you mean '{close[0]}'? " if close else ""
-    return ConfigError(f"{where}: unknown {label}; {hint}valid: {', '.join(valid)}")
-
-
-def _auto(default: Any = None, **kw: Any) -> Any:
-    """A field that may also be written as ``"auto"`` (resolved by `load_config`)."""
-    return field(default=default, metadata={"auto": True}, **kw)
+__all__ = ["AUTO", "ConfigError", "ConfigWarning", "read_json", "unknown"]  # re-exported: errors live here
 
 
 # --------------------------------------------------------------------------------------------
@@ -66,15 +40,15 @@ class ZeroConfig:
     """``zero_optimization``. Bucket/overlap knobs are accepted: XLA schedules the collectives."""
 
     stage: Literal[0, 1, 2, 3] = 0
-    stage3_param_persistence_threshold: int = _auto(100_000)
+    stage3_param_persistence_threshold: int = auto_field(100_000)
     zero_hpz_partition_size: int = 1
     overlap_comm: bool | None = None
     contiguous_gradients: bool = True
     reduce_scatter: bool = True
-    reduce_bucket_size: int = _auto(500_000_000)
+    reduce_bucket_size: int = auto_field(500_000_000)
     allgather_partitions: bool = True
     allgather_bucket_size: int = 500_000_000
-    stage3_prefetch_bucket_size: int = _auto(50_000_000)
+    stage3_prefetch_bucket_size: int = auto_field(50_000_000)
     stage3_max_live_parameters: int = 1_000_000_000
     stage3_max_reuse_distance: int = 1_000_000_000
     stage3_gather_16bit_weights_on_model_save: bool = False
@@ -164,6 +138,28 @@ class MeshConfig:
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """``moe``: DeepSpeed-MoE's layer arguments (`deepspeed.moe.layer.MoE`) for the reference GPT,
+    plus the aux-loss coefficient and the MoE layer interval (Megatron-DeepSpeed's
+    ``--moe-loss-coeff`` and ``--expert-interval``). Checked by `jzero.moe.validate`."""
+
+    enabled: bool = True
+    num_experts: int = 8
+    ep_size: int = 1
+    k: int = 1
+    capacity_factor: float = 1.0
+    eval_capacity_factor: float = 1.0
+    min_capacity: int = 4
+    drop_tokens: bool = True
+    use_residual: bool = False
+    noisy_gate_policy: Literal["Jitter", "RSample"] | None = None
+    use_rts: bool = True
+    top2_2nd_expert_sampling: bool = True
+    aux_loss_coef: float = 0.01
+    expert_interval: int = 1
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Reference model for the CLI. ``size`` picks a preset; other keys override it (each model
     takes the keys its preset has)."""
@@ -234,9 +230,9 @@ class JzeroConfig:
 class Config:
     """The resolved configuration. Compared and hashed by identity (it is static jit data)."""
 
-    train_batch_size: int = _auto(None)
-    train_micro_batch_size_per_gpu: int = _auto(None)
-    gradient_accumulation_steps: int = _auto(None)
+    train_batch_size: int = auto_field(None)
+    train_micro_batch_size_per_gpu: int = auto_field(None)
+    gradient_accumulation_steps: int = auto_field(None)
     zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
     bf16: BF16Config = field(default_factory=BF16Config)
     fp16: FP16Config = field(default_factory=FP16Config)
@@ -244,7 +240,7 @@ class Config:
     activation_checkpointing: ActivationCheckpointingConfig | None = None
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     scheduler: SchedulerConfig | None = None
-    gradient_clipping: float = _auto(1.0)  # DeepSpeed >= 0.19.3 clips at 1.0 unless told 0
+    gradient_clipping: float = auto_field(1.0)  # DeepSpeed >= 0.19.3 clips at 1.0 unless told 0
     steps_per_print: int = 10
     seed: int = 42
     communication_data_type: Literal["fp32", "fp16", "bf16"] | None = None
@@ -257,6 +253,7 @@ class Config:
     dump_state: bool = False
     tensorboard: MonitorConfig = field(default_factory=MonitorConfig)
     csv_monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    moe: MoEConfig | None = None
     jzero: JzeroConfig = field(default_factory=JzeroConfig)
     # Resolution record (not user keys).
     dp_size: int = field(default=1, metadata={"internal": True})
@@ -273,7 +270,7 @@ class Config:
 
     def to_dict(self) -> dict:
         """The user-facing keys as plain JSON data (resolved values)."""
-        out = _to_dict(self)
+        out = to_dict(self)
         for name in ("dp_size", "given_batch", "source"):
             out.pop(name)
         return out
@@ -284,7 +281,7 @@ def parse_config(raw: Mapping[str, Any], dp_size: int | None = None) -> Config:
     rule resolved for a data-parallel size of ``dp_size`` (default: ``jzero.mesh.devices``, else
     every device). ``"auto"`` batch keys are inferred by the rule; ``"auto"`` ZeRO sizes stay
     ``AUTO`` until the model is known (`with_hidden_size`)."""
-    cfg = _parse(Config, raw, "")
+    cfg = parse(Config, raw, "")
     if dp_size is None:
         dp_size = cfg.jzero.mesh.devices or _device_count()
     batch = {k: None for k in ("train_batch_size", "train_micro_batch_size_per_gpu",
@@ -346,96 +343,7 @@ def resolve_batch(train: int | None, micro: int | None, accum: int | None, dp: i
                       "(with gradient_accumulation_steps, any two determine the third)")
 
 
-# --------------------------------------------------------------------------------------------
-# Generic typed parsing
-# --------------------------------------------------------------------------------------------
 def _device_count() -> int:
     import jax
 
     return jax.device_count()
-
-
-def read_json(source: str | os.PathLike | Mapping[str, Any]) -> dict:
-    """A config as a dict: a mapping as it is, or a JSON file (errors name the file and line)."""
-    if isinstance(source, Mapping):
-        return dict(source)
-    path = os.fspath(source)
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"config file not found: {path}") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: the top level must be a JSON object, got {type(data).__name__}")
-    return data
-
-
-def _parse(cls: type, data: Any, path: str) -> Any:
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{path or 'config'}: expected an object, got {type(data).__name__} {data!r}")
-    fields = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
-    hints = typing.get_type_hints(cls)
-    values = {}
-    for key, value in data.items():
-        where = f"{path}.{key}" if path else key
-        if key not in fields:
-            raise unknown(where, "key", key, sorted(fields))
-        if value == AUTO and fields[key].metadata.get("auto"):
-            values[key] = AUTO
-            continue
-        values[key] = _coerce(hints[key], value, where)
-    return cls(**values)
-
-
-def _coerce(tp: Any, value: Any, where: str) -> Any:
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        (inner,) = [a for a in args if a is not type(None)]
-        return _coerce(inner, value, where)
-    if origin is Literal:
-        choices = typing.get_args(tp)
-        if value not in choices or isinstance(value, bool):
-            raise ConfigError(f"{where}: {value!r} is not one of {', '.join(map(repr, choices))}")
-        return value
-    if dataclasses.is_dataclass(tp):
-        return _parse(tp, value, where)
-    if origin in (Mapping, dict) or tp is Mapping:
-        if not isinstance(value, Mapping):
-            raise ConfigError(f"{where}: expected an object, got {type(value).__name__}")
-        return dict(value)
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{where}: expected true or false, got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, float) and value.is_integer():
-            value = int(value)
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{where}: expected an integer, got {type(value).__name__} {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{where}: expected a number, got {type(value).__name__} {value!r}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{where}: expected a string, got {type(value).__name__} {value!r}")
-        return value
-    if tp is tuple:
-        return tuple(value)
-    raise TypeError(f"unhandled config type {tp} at {where}")
-
-
-def _to_dict(obj: Any) -> Any:
-    if dataclasses.is_dataclass(obj):
-        return {f.name: _to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-    if isinstance(obj, Mapping):
-        return {k: _to_dict(v) for k, v in obj.items()}
-    if isinstance(obj, tuple):
-        return list(obj)
-    return obj

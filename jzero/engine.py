@@ -74,6 +74,13 @@ class Engine:
                 losses[i - 1].block_until_ready()
         return {"eval_loss": float(np.mean(jax.device_get(losses))), **self.task.evaluate(self.state)}
 
+    def _scalars(self, metrics: dict) -> dict[str, float]:
+        """The step's metrics as floats, with the model's `step_metrics` out of the loss's aux."""
+        aux = metrics.pop("aux", None)
+        out = {k: float(v) for k, v in metrics.items()}
+        out.update({k: float(aux[k]) for k in self.model.step_metrics})
+        return out
+
     def sample(self) -> str:
         """The task's preview of the current model (a generated sample, held-out predictions)."""
         return self.task.preview(self.state)
@@ -101,7 +108,7 @@ class Engine:
             batch = self.batch("train", step)
             t = time.perf_counter()
             self.state, metrics = compiled(self.state, batch)
-            metrics = {k: float(v) for k, v in jax.device_get(metrics).items() if k != "aux"}
+            metrics = self._scalars(jax.device_get(metrics))
             dt = time.perf_counter() - t
             window_time, window_steps, total_time = window_time + dt, window_steps + 1, total_time + dt
             done = step + 1

@@ -6,20 +6,24 @@ At stages 2-3 the jzero step computes every micro-batch's gradient under one ``j
 over the data axes (`jzero.step`): each device runs the model on its own rows and differentiates
 with respect to its *target*, the param's local view in the reduced-gradient layout
 (``Plan.grads``). `bind` turns the stored params and the targets into the tree the model sees,
-through one of three custom-VJP hooks per leaf, chosen by the ZeRO table (`hook_kind`):
+through one of three hooks per leaf, chosen by the ZeRO table (`hook_kind`), each a custom VJP
+whose backward is `reduce` as the leaf's gradient layout says (`reduction`):
 
-* ``gather`` (stored sharded, stage 3): all-gather the shard over "fsdp" in the compute dtype,
-  moved as its raw 16-bit pattern so no backend can widen it; backward: reduce-scatter the
-  gradient over "fsdp" (then sum over "replica") in the communication dtype (fp32 unless
+* ``gather`` (stored sharded, stage 3): all-gather the shard over its ZeRO group in the compute
+  dtype, moved as its raw 16-bit pattern so no backend can widen it; backward: reduce-scatter
+  the gradient over the group (then sum over "replica") in the communication dtype (fp32 unless
   ``communication_data_type`` says otherwise), back to fp32 after.
 * ``sink`` (stored replicated, gradient sharded: stage 2, or stage-3 persistent params): use the
-  local replica; backward: the same reduce-scatter into the target shard.
+  local replica (`local`); backward: the same reduce-scatter into the target shard.
 * ``replicate`` (nothing divisible): use the local replica; backward: all-reduce.
+
+The ZeRO group is "fsdp" (with "expert" for non-expert leaves under MoE); an expert leaf's
+gradient is never summed over "expert" (`jzero.sharding`: each device's experts are its own).
 
 Leaves outside a layer stack are hooked once, before the model runs. Leaves of a `scan_layers`
 stack are hooked per layer inside the scan (`scan`), so a gathered layer lives for one layer
 only and a full gradient never exists: `bind` hands the model the stacked leaf (the stored
-replica, or a placeholder of the full shape at stage 3, never materialized) and records, by the
+replica, or a placeholder of the gathered shape at stage 3, never materialized) and records, by the
 leaf's identity, what the scan needs. The layer body is rematerialized with a policy that never
 saves a hook's output, so a gathered layer is gathered again for the backward pass (stage 3
 moves 3 Psi).
@@ -34,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -43,29 +48,39 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jzero.mesh import DATA_AXES
-from jzero.sharding import FSDP, is_stacked
+from jzero.mesh import DATA_AXES, FSDP
+from jzero.sharding import is_stacked
 
-REPLICA = DATA_AXES[0]
+
+class Reduce(NamedTuple):
+    """How a leaf's gradient is summed over the data devices, read from its layout (`reduction`):
+    reduce-scattered along ``dim`` over the ``scatter`` axes (None: not scattered), then summed
+    over the ``over`` axes (the data axes the layout does not name)."""
+    dim: int | None
+    scatter: tuple[str, ...]
+    over: tuple[str, ...]
+
+    def layer(self) -> "Reduce":
+        """The same reduction for one layer of a stacked leaf (its leading dim dropped)."""
+        return self if self.dim is None else self._replace(dim=self.dim - 1)
 
 
 class LeafHook(NamedTuple):
-    """A leaf's hook (`hook_kind`), the dim it is sharded over "fsdp" (None: none), its global shape."""
+    """A leaf's hook (`hook_kind`) and how its gradient is reduced."""
     kind: str
-    dim: int | None
-    shape: tuple[int, ...]
+    reduce: Reduce
 
 
-def leaf_hooks(stored: Any, grads: Any, params: Any) -> Any:
-    """A `LeafHook` per leaf of ``params`` from its stored and reduced-gradient layouts (the Plan's)."""
-    return jax.tree.map(lambda s, g, p: LeafHook(*hook_kind(s, g), tuple(p.shape)), stored, grads, params)
+def leaf_hooks(stored: Any, grads: Any) -> Any:
+    """A `LeafHook` per leaf from its stored and reduced-gradient layouts (the Plan's)."""
+    return jax.tree.map(lambda s, g: LeafHook(hook_kind(s, g), reduction(g.spec)), stored, grads)
 
 
 class Bound(NamedTuple):
-    """What `scan` needs of one stacked leaf: its hook, the fsdp dim of a layer (None: none) and
-    the hook's inputs (stacked)."""
+    """What `scan` needs of one stacked leaf: its hook, the reduction of one layer and the hook's
+    inputs (stacked)."""
     kind: str
-    dim: int | None
+    reduce: Reduce | None
     inputs: tuple[jax.Array, ...]
 
 
@@ -104,24 +119,34 @@ def current() -> HookContext | None:
     return _ACTIVE.get()
 
 
+def _axes(entry: Any) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
 def fsdp_dim(spec: P) -> int | None:
-    """The dimension a spec shards over "fsdp" (None: not sharded over it)."""
-    return next((d for d, axis in enumerate(spec) if axis == FSDP), None)
+    """The dimension a spec shards over its ZeRO group (None: not sharded over it)."""
+    return next((d for d, entry in enumerate(spec) if FSDP in _axes(entry)), None)
 
 
-def hook_kind(stored: NamedSharding, grads: NamedSharding) -> tuple[str, int | None]:
-    """(hook, fsdp dim) of a leaf from its stored and reduced-gradient layouts (the Plan's)."""
-    if (dim := fsdp_dim(stored.spec)) is not None:
-        return "gather", dim
-    if (dim := fsdp_dim(grads.spec)) is not None:
-        return "sink", dim
-    return "replicate", None
+def reduction(spec: P) -> Reduce:
+    """The `Reduce` of a gradient laid out as ``spec``."""
+    dim = fsdp_dim(spec)
+    named = {a for entry in spec for a in _axes(entry)}
+    return Reduce(dim, () if dim is None else _axes(spec[dim]), tuple(a for a in DATA_AXES if a not in named))
 
 
-def _varying(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-    """Type a value that is the same on every device of ``axes`` as varying over them, so its
+def hook_kind(stored: NamedSharding, grads: NamedSharding) -> str:
+    """A leaf's hook from its stored and reduced-gradient layouts (the Plan's)."""
+    if fsdp_dim(stored.spec) is not None:
+        return "gather"
+    return "sink" if fsdp_dim(grads.spec) is not None else "replicate"
+
+
+def vary(x: jax.Array) -> jax.Array:
+    """Type ``x`` as varying over every data axis (those it does not vary over yet), so its
     cotangent reaches the hook's backward unreduced (instead of through an automatic psum)."""
-    return jax.lax.pcast(x, axes, to="varying")
+    missing = tuple(a for a in DATA_AXES if a not in jax.typeof(x).manual_axis_type.varying)
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 def _to_wire(x: jax.Array) -> jax.Array:
@@ -132,11 +157,13 @@ def _from_wire(x: jax.Array, dtype: Any) -> jax.Array:
     return jax.lax.bitcast_convert_type(x, dtype) if x.dtype == jnp.uint16 else x
 
 
-def reduce_scatter(ct: jax.Array, dim: int, comm: Any) -> jax.Array:
-    """Sum the local gradients in ``comm``: scatter inside the ZeRO group, then add across
-    replicas (a group of one device when replica = 1: no data moves); fp32 after."""
-    shard = jax.lax.psum_scatter(ct.astype(comm), FSDP, scatter_dimension=dim, tiled=True)
-    return jax.lax.psum(shard, REPLICA).astype(jnp.float32)
+def reduce(ct: jax.Array, red: Reduce, comm: Any) -> jax.Array:
+    """Sum a device's local gradient over the data devices in ``comm``, as ``red`` says: scatter
+    inside the ZeRO group, then add over the other axes (a trivial axis moves no data); fp32."""
+    g = ct.astype(comm)
+    if red.dim is not None:
+        g = jax.lax.psum_scatter(g, red.scatter, scatter_dimension=red.dim, tiled=True)
+    return (jax.lax.psum(g, red.over) if red.over else g).astype(jnp.float32)
 
 
 # Each hook takes (value, target): ``value`` is what the forward uses (the stored shard or
@@ -144,70 +171,60 @@ def reduce_scatter(ct: jax.Array, dim: int, comm: Any) -> jax.Array:
 # reduced-gradient layout; its value is never read).
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def gather(shard: jax.Array, target: jax.Array, dim: int, dtype: Any, comm: Any) -> jax.Array:
-    full = jax.lax.all_gather(_to_wire(shard.astype(dtype)), FSDP, axis=dim, tiled=True)
-    return _varying(_from_wire(full, dtype), (REPLICA,))  # all_gather output already varies over fsdp
+def gather(shard: jax.Array, target: jax.Array, red: Reduce, dtype: Any, comm: Any) -> jax.Array:
+    """The full param from its ZeRO shard, moved as its raw 16-bit pattern in the compute dtype;
+    backward: the gradient reduce-scattered back to the shard."""
+    full = jax.lax.all_gather(_to_wire(shard.astype(dtype)), red.scatter, axis=red.dim, tiled=True)
+    return vary(_from_wire(full, dtype))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def sink(replica: jax.Array, target: jax.Array, dim: int, dtype: Any, comm: Any) -> jax.Array:
-    return _varying(replica.astype(dtype), DATA_AXES)
+def local(replica: jax.Array, target: jax.Array, red: Reduce, dtype: Any, comm: Any) -> jax.Array:
+    """The local replica (sink and replicate hooks); backward: the gradient reduced per ``red``."""
+    return vary(replica.astype(dtype))
 
 
-def _scatter_fwd(hook):
-    def fwd(value, target, dim, dtype, comm):
-        return hook(value, target, dim, dtype, comm), None
+def _reduce_fwd(hook):
+    def fwd(value, target, red, dtype, comm):
+        return hook(value, target, red, dtype, comm), None
 
     return fwd
 
 
-def _scatter_bwd(dim, dtype, comm, _, ct):
-    return None, reduce_scatter(ct, dim, comm)
+def _reduce_bwd(red, dtype, comm, _, ct):
+    return None, reduce(ct, red, comm)
 
 
-gather.defvjp(_scatter_fwd(gather), _scatter_bwd)
-sink.defvjp(_scatter_fwd(sink), _scatter_bwd)
+gather.defvjp(_reduce_fwd(gather), _reduce_bwd)
+local.defvjp(_reduce_fwd(local), _reduce_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def replicate(replica: jax.Array, target: jax.Array, dtype: Any, comm: Any) -> jax.Array:
-    return _varying(replica.astype(dtype), DATA_AXES)
-
-
-def _replicate_fwd(replica, target, dtype, comm):
-    return replicate(replica, target, dtype, comm), None
-
-
-def _replicate_bwd(dtype, comm, _, ct):
-    return None, jax.lax.psum(ct.astype(comm), DATA_AXES).astype(jnp.float32)
-
-
-replicate.defvjp(_replicate_fwd, _replicate_bwd)
-
-
-def _apply(ctx: HookContext, kind: str, dim: int | None, inputs: tuple[jax.Array, ...]) -> jax.Array:
+def _apply(ctx: HookContext, kind: str, red: Reduce, inputs: tuple[jax.Array, ...]) -> jax.Array:
     """The compute-dtype value the model uses, through ``kind``'s hook."""
     if ctx.on_host:  # one layer's (or leaf's) shard to the device, right before its use
         inputs = (jax.device_put(inputs[0], jax.memory.Space.Device), inputs[1])
-    if kind == "gather":
-        return gather(*inputs, dim, ctx.compute_dtype, ctx.comm_dtype)
-    if kind == "sink":
-        return sink(*inputs, dim, ctx.compute_dtype, ctx.comm_dtype)
-    return replicate(*inputs, ctx.compute_dtype, ctx.comm_dtype)
+    hook = gather if kind == "gather" else local
+    return hook(*inputs, red, ctx.compute_dtype, ctx.comm_dtype)
+
+
+def _gathered(shape: tuple[int, ...], red: Reduce) -> tuple[int, ...]:
+    """The shape `gather` makes of a shard of ``shape`` (an expert leaf stays split over "expert")."""
+    size = math.prod(jax.lax.axis_size(a) for a in red.scatter)
+    return tuple(n * size if d == red.dim else n for d, n in enumerate(shape))
 
 
 def bind(ctx: HookContext, hooked: Any, stored: Any, targets: Any) -> Any:
     """The params tree the model sees inside the step's ``shard_map``: leaves outside a stack
-    through their hook (compute dtype); stacked leaves as themselves (or a full-shape placeholder
+    through their hook (compute dtype); stacked leaves as themselves (or a gathered-shape placeholder
     at stage 3), recorded in ``ctx.bound`` for `scan`. ``hooked``: `leaf_hooks`;
     ``stored`` / ``targets``: each device's views in the stored / reduced-gradient layouts."""
     def one(path, hook, value, target):
-        kind, dim, shape = hook
+        kind, red = hook
         inputs = (jax.lax.stop_gradient(value), target)
         if not is_stacked(path):
-            return _apply(ctx, kind, dim, inputs)
-        leaf = jnp.zeros(shape, value.dtype) if kind == "gather" else value
-        ctx.bound[id(leaf)] = (leaf, Bound(kind, None if dim is None else dim - 1, inputs))
+            return _apply(ctx, kind, red, inputs)
+        leaf = jnp.zeros(_gathered(value.shape, red), value.dtype) if kind == "gather" else value
+        ctx.bound[id(leaf)] = (leaf, Bound(kind, red.layer(), inputs))
         return leaf
 
     return jax.tree_util.tree_map_with_path(one, hooked, stored, targets,
@@ -298,7 +315,7 @@ def scan(ctx: HookContext, apply_layer: Callable, policy: Callable | None, x: An
         return _accumulating_scan(ctx, apply_layer, policy, x, treedef, bound, extra)
 
     def local(carry, layer_extra, layer_inputs):
-        ws = [_apply(ctx, b.kind, b.dim, inputs) for b, inputs in zip(bound, layer_inputs, strict=True)]
+        ws = [_apply(ctx, b.kind, b.reduce, inputs) for b, inputs in zip(bound, layer_inputs, strict=True)]
         return apply_layer(jax.tree.unflatten(treedef, ws), carry, layer_extra)
 
     local = jax.checkpoint(local, policy=_never_save_hooks(policy), prevent_cse=False)

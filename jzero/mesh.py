@@ -1,8 +1,12 @@
-"""The device mesh: axes ("replica", "fsdp"). ZeRO shards over "fsdp"; data parallelism spans both.
+"""The device mesh: axes ("replica", "fsdp", "expert"). Data parallelism spans all three.
 
-``replica = 1`` is classic ZeRO. ``zero_hpz_partition_size = k > 1`` gives hierarchical
-partitioning (ZeRO++ hpZ / HSDP): shard inside groups of k devices, replicate across groups.
-Axes are `AxisType.Auto` so GSPMD propagates shardings and `with_sharding_constraint` binds.
+ZeRO shards non-expert params over ("fsdp", "expert") -- the ZeRO group, every device when
+``replica = 1`` -- and expert params over "fsdp" alone, since "expert" splits the experts
+themselves (`jzero.sharding`). ``moe.ep_size`` sizes "expert" (1 without MoE: a trivial axis).
+``zero_hpz_partition_size = k > 1`` gives hierarchical partitioning (ZeRO++ hpZ / HSDP): a ZeRO
+group of k devices, replicated across ``replica``. Expert groups are contiguous devices, as in
+DeepSpeed. Axes are `AxisType.Auto` so GSPMD propagates shardings and `with_sharding_constraint`
+binds.
 """
 from __future__ import annotations
 
@@ -14,12 +18,13 @@ from jax.sharding import AxisType, Mesh
 
 from jzero.config import Config, ConfigError
 
-AXES = ("replica", "fsdp")
+REPLICA, FSDP, EXPERT = "replica", "fsdp", "expert"
+AXES = (REPLICA, FSDP, EXPERT)
 DATA_AXES = AXES  # the batch is split over every data-parallel device
 
 
 def make_mesh(config: Config, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A ("replica", "fsdp") mesh over ``devices`` (default: the config's device count, or all)."""
+    """The mesh over ``devices`` (default: the config's device count, or all)."""
     if devices is None:
         available = jax.devices()
         wanted = config.jzero.mesh.devices or len(available)
@@ -29,8 +34,11 @@ def make_mesh(config: Config, devices: Sequence[jax.Device] | None = None) -> Me
         devices = available[:wanted]
     devices = list(devices)
     n = len(devices)
-    fsdp = fsdp_size(config, n)
-    grid = np.array(devices, dtype=object).reshape(n // fsdp, fsdp)
+    zero, ep = fsdp_size(config, n), expert_size(config, n)
+    if zero % ep:
+        raise ConfigError(f"moe.ep_size: {ep} does not divide the ZeRO group of {zero} devices "
+                          "(jzero.mesh.fsdp / zero_hpz_partition_size)")
+    grid = np.array(devices, dtype=object).reshape(n // zero, zero // ep, ep)
     return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
 
@@ -42,6 +50,14 @@ def fsdp_size(config: Config, num_devices: int) -> int:
     if num_devices % fsdp:
         raise ConfigError(f"{key}: {fsdp} does not divide the {num_devices} devices of the mesh")
     return fsdp
+
+
+def expert_size(config: Config, num_devices: int) -> int:
+    """Expert-parallel size: ``moe.ep_size`` (1 without MoE); it must divide the devices."""
+    ep = config.moe.ep_size if config.moe is not None else 1
+    if num_devices % ep:
+        raise ConfigError(f"moe.ep_size: {ep} does not divide the {num_devices} devices of the mesh")
+    return ep
 
 
 def data_parallel_size(mesh: Mesh) -> int:

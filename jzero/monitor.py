@@ -138,17 +138,19 @@ class Monitor:
     """Progress bar + log lines + metric writers for one run (silent on processes other than 0)."""
 
     def __init__(self, config: Config, out: Path, total_steps: int, start_step: int = 0,
-                 console: Console | None = None, metrics: tuple[str, ...] = ()):
-        """``metrics``: the task's held-out metrics, columns of metrics.csv after ``eval_loss``."""
+                 console: Console | None = None, metrics: tuple[str, ...] = (),
+                 step_metrics: tuple[str, ...] = ()):
+        """``metrics``: the task's held-out metrics, columns of metrics.csv after ``eval_loss``;
+        ``step_metrics``: the model's per-step metrics (MoE load...), the columns after them."""
         self.active = jax.process_index() == 0
-        self.metrics, self._latest = metrics, ""
+        self.metrics, self.step_metrics, self._latest = metrics, step_metrics, ""
         self.console = console or Console(highlight=False, soft_wrap=True)
         self.print_every = config.steps_per_print
         self._writers: list[Any] = []
         self._progress = None
         if not self.active:
             return
-        columns = (*CSV_COLUMNS, *metrics)
+        columns = (*CSV_COLUMNS, *metrics, *step_metrics)
         self._writers.append(CsvWriter(out / "metrics.csv", start_step, columns))
         if config.csv_monitor.enabled:
             self._writers.append(CsvWriter(_section_dir(config.csv_monitor, out, "csv_monitor") / "metrics.csv",
@@ -178,7 +180,8 @@ class Monitor:
         for writer in self._writers:
             writer.write(row)
         parts = [f"step {row['step']:>6}", f"loss {row['loss']:.4f}", f"lr {row['lr']:.3e}",
-                 f"grad_norm {row['grad_norm']:.3f}", f"{row['tokens_per_s']:,.0f} tok/s"]
+                 f"grad_norm {row['grad_norm']:.3f}", f"{row['tokens_per_s']:,.0f} tok/s",
+                 *(f"{name} {row[name]:.3f}" for name in self.step_metrics)]
         if row.get("eval_loss") is not None:
             parts.append(f"held-out {row['eval_loss']:.4f}")
             measured = [f"{name} {row[name]:.3f}" for name in self.metrics if row.get(name) is not None]

@@ -20,7 +20,7 @@ from typing import Any
 
 import jax
 
-from jzero import models, optim, remat, schedules
+from jzero import models, moe, optim, remat, schedules
 from jzero.config import (
     AUTO,
     AUTO_SIZES,
@@ -36,7 +36,6 @@ from jzero.config import (
 # DeepSpeed features jzero refuses (they change what is trained or where memory lives).
 UNSUPPORTED_SECTIONS = {
     "pipeline": "pipeline parallelism is not implemented; jzero shards with ZeRO over the mesh",
-    "moe": "mixture-of-experts layers are not implemented",
     "sparse_attention": "DeepSpeed sparse attention kernels are not implemented",
     "amp": "NVIDIA apex AMP does not exist in JAX; use the bf16 or fp16 section",
     "compression_training": "compression training is not implemented",
@@ -71,6 +70,8 @@ def load_config(source: str | os.PathLike | Mapping[str, Any], *, dp_size: int |
         remat_name = "offload" if cfg.activation_checkpointing.cpu_checkpointing else "full"
         cfg = dataclasses.replace(cfg, jzero=dataclasses.replace(cfg.jzero, remat=remat_name))
     check_zero(cfg.zero_optimization)
+    if cfg.moe is not None and not cfg.moe.enabled:
+        cfg = dataclasses.replace(cfg, moe=None)
     if noops:
         warnings.warn(f"jzero ignores these DeepSpeed sections (no effect under XLA): {', '.join(noops)}",
                       ConfigWarning, stacklevel=2)
@@ -80,6 +81,7 @@ def load_config(source: str | os.PathLike | Mapping[str, Any], *, dp_size: int |
     _check_ranges(cfg)
     remat.validate(cfg.jzero.remat)
     models.validate(cfg)
+    moe.validate(cfg)
     cfg = dataclasses.replace(cfg, optimizer=optim.validate(cfg.optimizer), source=raw)
     return dataclasses.replace(cfg, scheduler=schedules.validate(cfg))
 

@@ -17,11 +17,23 @@ the optimizer-state layout): least communication, one full fp32 gradient (4 B/pa
 full gradient never exists: least memory, k reductions. Pick stage 1 over 2 when the 4 B/param
 fit; stage 2 when they do not.
 
-Leaf rule: shard the largest dimension divisible by the fsdp size, never the stacked-layer
+Which devices a leaf is sharded over (its ZeRO group), DeepSpeed-MoE's rule:
+
+    leaf                                | expert dim     | ZeRO group (the "sharded" above)
+    ------------------------------------+----------------+--------------------------------------
+    non-expert                          | -              | ("fsdp", "expert"): all data devices
+    expert (under an ``"experts"`` key) | over "expert"  | "fsdp": the expert-data-parallel group
+
+An expert leaf's first dimension after the stacked-layer one counts the experts: each device
+holds E / ep_size of them, and ZeRO shards them further over the devices that hold the same
+experts. Gradients are summed over every data axis the leaf's layout does not name (an expert's
+gradient never over "expert": each device's experts are its own).
+
+Leaf rule: shard the largest dimension divisible by the ZeRO group size, never the stacked-layer
 dimension (leading dim of leaves under a ``"stacked"`` key, see `jzero.layers`), and keep any
-dimension the model already partitions (tensor parallel). At stage 3, params with fewer than
-``stage3_param_persistence_threshold`` elements stay replicated (DeepSpeed's persistent params);
-their grads and optimizer state are still sharded, as in DeepSpeed.
+dimension the model already partitions (tensor parallel, the expert dim). At stage 3, params
+with fewer than ``stage3_param_persistence_threshold`` elements stay replicated (DeepSpeed's
+persistent params); their grads and optimizer state are still sharded, as in DeepSpeed.
 """
 from __future__ import annotations
 
@@ -34,10 +46,10 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jzero.mesh import DATA_AXES
+from jzero.mesh import DATA_AXES, EXPERT, FSDP
 
-FSDP = "fsdp"
 STACKED_KEY = "stacked"  # params under this key carry a leading stacked-layer dimension
+EXPERT_KEY = "experts"  # params under this key carry an expert dimension (after the stacked one)
 HOST_KINDS = ("pinned_host", "unpinned_host")  # JAX memory kinds of host memory
 
 
@@ -85,10 +97,6 @@ class Plan:
         """Whether the compute params live in host memory (offload_param)."""
         return any(s.memory_kind in HOST_KINDS for s in jax.tree.leaves(self.compute))
 
-    @property
-    def fsdp_size(self) -> int:
-        return self.mesh.shape[FSDP]
-
 
 def plan(params_shape: Any, tx: optax.GradientTransformation, mesh: Mesh, stage: int, *,
          persistence_threshold: int = 0, model_specs: Any = None, offload: str | None = None,
@@ -103,13 +111,17 @@ def plan(params_shape: Any, tx: optax.GradientTransformation, mesh: Mesh, stage:
     """
     if stage not in ZERO_RULES:
         raise ValueError(f"zero_optimization.stage: {stage} is not one of 0, 1, 2, 3")
-    n = mesh.shape[FSDP]
     if model_specs is None:
         model_specs = jax.tree.map(lambda _: P(), params_shape)
-    per_leaf = jax.tree_util.tree_map_with_path(
-        lambda path, x, base: leaf_specs(x.shape, stage, n, persistence_threshold, stacked=is_stacked(path),
-                                         base=base),
-        params_shape, model_specs)
+
+    def one(path, x, base):
+        expert = is_expert(path)
+        base = expert_spec(x.shape, base, mesh.shape[EXPERT], stacked=is_stacked(path)) if expert else base
+        axes = zero_axes(mesh, expert)
+        return leaf_specs(x.shape, stage, math.prod(mesh.shape[a] for a in axes), persistence_threshold,
+                          stacked=is_stacked(path), base=base, axes=axes)
+
+    per_leaf = jax.tree_util.tree_map_with_path(one, params_shape, model_specs)
 
     def layout(field: str) -> Any:
         return jax.tree.map(lambda ls: NamedSharding(mesh, getattr(ls, field)), per_leaf,
@@ -135,19 +147,40 @@ class LeafSpecs(NamedTuple):
     update: P
 
 
+def zero_axes(mesh: Mesh, expert: bool) -> tuple[str, ...]:
+    """The mesh axes of a leaf's ZeRO group: "fsdp" for expert leaves, else "fsdp" and a
+    non-trivial "expert" axis (all data devices of the group)."""
+    return (FSDP,) if expert or mesh.shape[EXPERT] == 1 else (FSDP, EXPERT)
+
+
+def expert_spec(shape: tuple[int, ...], base: P, ep: int, *, stacked: bool) -> P:
+    """``base`` with the expert dimension (the first after the stacked one) over "expert"."""
+    dim = 1 if stacked else 0
+    if len(shape) <= dim or shape[dim] % ep:
+        raise ValueError(f"an expert param of shape {shape} has no expert dimension divisible by ep_size {ep}")
+    if ep == 1:
+        return base
+    entries = list(base) + [None] * (dim + 1 - len(base))
+    entries[dim] = EXPERT
+    return P(*entries)
+
+
 def leaf_specs(shape: tuple[int, ...], stage: int, n: int, persistence_threshold: int = 0, *,
-               stacked: bool = False, base: P | None = None) -> LeafSpecs:
-    """One leaf's row of the ZeRO table: its stored, reduced-gradient and update layouts."""
+               stacked: bool = False, base: P | None = None, axes: tuple[str, ...] = (FSDP,)) -> LeafSpecs:
+    """One leaf's row of the ZeRO table: its stored, reduced-gradient and update layouts, ZeRO
+    over ``axes`` (``n`` devices)."""
     rule, base = ZERO_RULES[stage], P() if base is None else base
-    sharded = zero_spec(shape, base, n, stacked=stacked)
+    sharded = zero_spec(shape, base, n, stacked=stacked, axes=axes)
     persistent = math.prod(shape) < persistence_threshold
     return LeafSpecs(params=sharded if rule.params and not persistent else base,
                      grads=sharded if rule.grads else base,
                      update=sharded if rule.opt_state else base)
 
 
-def zero_spec(shape: tuple[int, ...], base: P, n: int, *, stacked: bool = False) -> P:
-    """``base`` with "fsdp" on the largest free dimension divisible by ``n`` (unchanged if none)."""
+def zero_spec(shape: tuple[int, ...], base: P, n: int, *, stacked: bool = False,
+              axes: tuple[str, ...] = (FSDP,)) -> P:
+    """``base`` with the ZeRO ``axes`` (``n`` devices) on the largest free dimension divisible by
+    ``n`` (unchanged if none)."""
     if n == 1:
         return base
     entries = list(base) + [None] * (len(shape) - len(base))
@@ -156,12 +189,21 @@ def zero_spec(shape: tuple[int, ...], base: P, n: int, *, stacked: bool = False)
     if not free:
         return base
     best = max(free, key=lambda d: (shape[d], -d))
-    entries[best] = FSDP
+    entries[best] = axes[0] if len(axes) == 1 else axes
     while entries and entries[-1] is None:  # canonical form: what jit reports back
         entries.pop()
     return P(*entries)
 
 
+def _keys(path: tuple) -> list:
+    return [getattr(k, "key", getattr(k, "name", None)) for k in path]
+
+
 def is_stacked(path: tuple) -> bool:
     """Whether a leaf at ``path`` (a jax key path) lives in a scan_layers stack."""
-    return any(getattr(k, "key", getattr(k, "name", None)) == STACKED_KEY for k in path)
+    return STACKED_KEY in _keys(path)
+
+
+def is_expert(path: tuple) -> bool:
+    """Whether a leaf at ``path`` is an expert's (under an ``"experts"`` key: `jzero.moe`)."""
+    return EXPERT_KEY in _keys(path)

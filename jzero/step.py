@@ -22,7 +22,7 @@ import optax
 from jax.experimental.compute_on import compute_on
 from jax.sharding import PartitionSpec as P
 
-from jzero import fused, hooks, optim, precision
+from jzero import fused, hooks, optim, phase, precision
 from jzero.mesh import DATA_AXES, data_parallel_size
 from jzero.rows import split_over
 from jzero.sharding import ZERO_RULES
@@ -144,7 +144,7 @@ def _hooked(state: TrainState) -> Any:
     plan = state.plan
     if ZERO_RULES[plan.stage].reduce_once:
         return None
-    return hooks.leaf_hooks(plan.compute, plan.grads, state.params)
+    return hooks.leaf_hooks(plan.compute, plan.grads)
 
 
 def _local_loss(state: TrainState, hooked: Any, stored: Any, targets: Any, acc: Any, rows: Any, rng: jax.Array,
@@ -182,7 +182,7 @@ def _accumulated_grads(state: TrainState, stored: Any, batch: Any, rng: jax.Arra
     def local(stored, targets, rows, rng, scale):
         rng = jax.random.fold_in(rng, jax.lax.axis_index(DATA_AXES))  # each device its own dropout
         if hooked is None:
-            targets = jax.lax.pcast(stored, DATA_AXES, to="varying")  # local, unreduced gradients
+            targets = jax.tree.map(hooks.vary, stored)  # local, unreduced gradients
 
         def grad_fn(mb, r, acc):
             bound_acc = acc if hooked is None else None
@@ -234,12 +234,9 @@ def _sum_over_micro_batches(grad_fn, micro: Any, rng: jax.Array, zeros: Any):
 
 
 def _reduce_once(g: jax.Array, spec: P, comm: Any) -> jax.Array:
-    """A device's accumulated gradient summed over all devices, in ``comm``, laid out as
-    ``spec``: reduce-scattered along its "fsdp" dimension, else all-reduced; fp32 after."""
-    dim = hooks.fsdp_dim(spec)
-    if dim is None:
-        return jax.lax.psum(g.astype(comm), DATA_AXES).astype(jnp.float32)
-    return hooks.reduce_scatter(g, dim, comm)
+    """A device's accumulated gradient summed over the data devices, in ``comm``, laid out as
+    ``spec``: reduce-scattered along its ZeRO dimension, else all-reduced; fp32 after."""
+    return hooks.reduce(g, hooks.reduction(spec), comm)
 
 
 def _check_batch(batch: Any, expected: int) -> None:
@@ -251,13 +248,15 @@ def _check_batch(batch: Any, expected: int) -> None:
 
 @jax.jit
 def eval_step(state: TrainState, batch: Any) -> jax.Array:
-    """The loss of ``state.params`` on ``batch`` (compute dtype, no gradient, no update): each
-    device's rows under the step's ``shard_map``, averaged over devices."""
+    """The loss of ``state.params`` on ``batch`` (compute dtype, no gradient, no update, layers
+    in evaluation: `jzero.phase`): each device's rows under the step's ``shard_map``, averaged
+    over devices."""
     plan, hooked = state.plan, _hooked(state)
 
     def local(stored, targets, rows):
         params = stored if hooked is None else targets  # what _local_loss reads at this stage
-        loss = _local_loss(state, hooked, stored, params, None, rows, state.rng, 1.0)[1][0]
+        with phase.evaluating():
+            loss = _local_loss(state, hooked, stored, params, None, rows, state.rng, 1.0)[1][0]
         return jax.lax.pmean(loss, DATA_AXES)
 
     specs = jax.tree.map(lambda s: s.spec, (plan.compute, plan.grads))

@@ -98,7 +98,8 @@ def _train(config: Config, out: Path, checkpointer: Checkpointer, flags: list[st
         say(f"jzero: already trained to step {start} (jzero.train.steps is {steps}); nothing to do. "
             "Pass --steps to train longer or --no-resume to start over.")
         return 0
-    monitor = Monitor(config, out, total_steps=steps, start_step=start, metrics=engine.task.metrics)
+    monitor = Monitor(config, out, total_steps=steps, start_step=start, metrics=engine.task.metrics,
+                      step_metrics=engine.model.step_metrics)
     for line in engine.header(flags):
         monitor.print(line)
     with StopOnSignals() as stop:

@@ -24,6 +24,7 @@ class Model:
     example_batch: Callable[[int], dict[str, Any]]  # batch size -> {key: numpy array}
     flops: Callable[[int], dict[str, float]]  # batch size -> FLOPs of one step by part, "total" included
     tokens_per_example: int
+    step_metrics: tuple[str, ...] = ()  # scalars of the loss's aux dict shown and logged every step
 
 
 def from_section(section: ModelConfig, sizes: dict[str, Any], remat: str, positive: tuple[str, ...]) -> Any:

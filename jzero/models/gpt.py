@@ -1,9 +1,15 @@
 """A GPT decoder (pre-LN, causal attention, learned or rotary positions, optional tied
 embeddings) built on `jzero.layers.scan_layers`. Params are fp32; the training step casts them
 to the compute dtype, so the model itself has no dtype switches.
+
+With a ``moe`` config section every ``expert_interval``-th block's feed-forward is a
+Mixture-of-Experts layer (`jzero.moe`): the stack scans units of ``expert_interval - 1`` dense
+blocks and one MoE block, carrying the MoE statistics beside the hidden state; the loss adds
+``aux_loss_coef`` x the aux loss summed over MoE layers (Megatron-DeepSpeed's rule).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any
@@ -15,10 +21,12 @@ import numpy as np
 import optax
 from jax.ad_checkpoint import checkpoint_name
 
+from jzero import phase
 from jzero.adapters import from_linen
 from jzero.config import Config, ConfigError, ModelConfig
 from jzero.layers import scan_layers
 from jzero.models.base import Model, from_section
+from jzero.moe import MoE, MoESpec, MoEStats, spec_from_config
 
 
 @dataclass(frozen=True)
@@ -32,6 +40,13 @@ class GPTConfig:
     positions: str = "learned"  # "learned" | "rotary"
     tie_embeddings: bool = True
     remat: str = "full"
+    moe: MoESpec | None = None  # the MoE layers' (None: a dense GPT)
+    expert_interval: int = 1  # every expert_interval-th block is an MoE block
+    aux_loss_coef: float = 0.0
+
+    @property
+    def moe_layers(self) -> int:
+        return 0 if self.moe is None else self.n_layers // self.expert_interval
 
 
 SIZES: dict[str, GPTConfig] = {
@@ -43,12 +58,19 @@ SIZES: dict[str, GPTConfig] = {
 }
 
 
-def gpt_config(model: ModelConfig, remat: str = "full") -> GPTConfig:
-    """The preset ``model.size`` with the section's other keys overriding it; checked."""
+def gpt_config(model: ModelConfig, remat: str = "full", config: Config | None = None) -> GPTConfig:
+    """The preset ``model.size`` with the section's other keys overriding it, and the MoE layers
+    of ``config``'s ``moe`` section; checked."""
     cfg = from_section(model, SIZES, remat, ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "d_ff"))
     if cfg.positions == "rotary" and (cfg.d_model // cfg.n_heads) % 2:
         raise ConfigError("jzero.model.positions: rotary needs an even head size (d_model / n_heads)")
-    return cfg
+    spec = None if config is None else spec_from_config(config, cfg.d_model, cfg.d_ff)
+    if spec is None:
+        return cfg
+    interval = config.moe.expert_interval
+    if cfg.n_layers % interval:
+        raise ConfigError(f"moe.expert_interval: {interval} does not divide jzero.model.n_layers {cfg.n_layers}")
+    return dataclasses.replace(cfg, moe=spec, expert_interval=interval, aux_loss_coef=config.moe.aux_loss_coef)
 
 
 _init = nn.initializers.normal(0.02)
@@ -67,14 +89,18 @@ def _rotary(x: jax.Array) -> jax.Array:
 
 class Block(nn.Module):
     """Pre-LN transformer block; ``cfg`` needs n_heads, d_ff and positions (ViT and CLIP reuse it,
-    unmasked for images)."""
+    unmasked for images). With ``moe`` its feed-forward is that MoE layer and it maps
+    ``(x, stats) -> (x, stats + this layer's)`` (`jzero.moe.MoEStats`)."""
 
     cfg: Any
     causal: bool = True
+    moe: MoESpec | None = None
 
     @nn.compact
     def __call__(self, x):
-        cfg = self.cfg
+        cfg, stats = self.cfg, None
+        if self.moe is not None:
+            x, stats = x
         b, t, d = x.shape
         hd = d // cfg.n_heads
         with jax.named_scope("attention"):  # scope names: `jzero profile` attributes FLOPs by them
@@ -93,11 +119,29 @@ class Block(nn.Module):
             x = x + nn.Dense(d, kernel_init=_init, name="proj")(attn)
         with jax.named_scope("mlp"):
             h = nn.LayerNorm(name="ln2")(x)
+            if self.moe is not None:
+                y, layer = MoE(self.moe, name="moe")(h)
+                return x + y, stats + layer
             h = checkpoint_name(jax.nn.gelu(nn.Dense(cfg.d_ff, kernel_init=_init, name="fc")(h)), "mlp_hidden")
             return x + nn.Dense(d, kernel_init=_init, name="out")(h)
 
 
+class MoEUnit(nn.Module):
+    """``expert_interval - 1`` dense blocks, then one MoE block; maps ``(x, stats)``."""
+
+    cfg: GPTConfig
+
+    @nn.compact
+    def __call__(self, carry):
+        x, stats = carry
+        for i in range(self.cfg.expert_interval - 1):
+            x = Block(self.cfg, name=f"dense_{i}")(x)
+        return Block(self.cfg, moe=self.cfg.moe, name="moe_block")((x, stats))
+
+
 class GPT(nn.Module):
+    """Logits (batch, seq, vocab) in fp32; with MoE layers ``(logits, MoEStats summed over them)``."""
+
     cfg: GPTConfig
 
     @nn.compact
@@ -108,21 +152,30 @@ class GPT(nn.Module):
             x = embed(tokens)
             if cfg.positions == "learned":
                 x = x + self.param("wpe", _init, (cfg.seq_len, cfg.d_model))[: tokens.shape[1]].astype(x.dtype)
-        x = scan_layers(Block(cfg), cfg.n_layers, remat_policy=cfg.remat, name="blocks")(x)
+        if cfg.moe is None:
+            x = scan_layers(Block(cfg), cfg.n_layers, remat_policy=cfg.remat, name="blocks")(x)
+        else:
+            x, stats = scan_layers(MoEUnit(cfg), cfg.moe_layers, remat_policy=cfg.remat, name="blocks")(
+                (x, MoEStats.zeros(x)))
         with jax.named_scope("head"):
             x = nn.LayerNorm(name="ln_f")(x)
             logits = embed.attend(x) if cfg.tie_embeddings else nn.Dense(cfg.vocab_size, kernel_init=_init,
                                                                           name="head")(x)
-            return logits.astype(jnp.float32)
+            return logits.astype(jnp.float32) if cfg.moe is None else (logits.astype(jnp.float32), stats)
 
 
 def model_flops(cfg: GPTConfig, tokens: int) -> dict[str, float]:
     """Analytic training FLOPs (forward + backward, no recompute) for ``tokens`` tokens:
     6 x matmul params x tokens (the layers' qkv, proj, fc, out and the LM head; the embedding
     lookup is not a matmul) and attention's score and value matmuls, 12 x layers x d_model x
-    seq_len per token (the causal mask does not save work in a dense implementation)."""
-    d, f, L = cfg.d_model, cfg.d_ff, cfg.n_layers
-    matmul_params = L * (3 * d * d + d * d + 2 * d * f) + cfg.vocab_size * d
+    seq_len per token (the causal mask does not save work in a dense implementation). An MoE
+    layer counts its gate and the k experts each token reaches (not the dispatch einsums nor
+    the empty capacity slots)."""
+    d, f, L, M = cfg.d_model, cfg.d_ff, cfg.n_layers, cfg.moe_layers
+    matmul_params = L * 4 * d * d + (L - M) * 2 * d * f + cfg.vocab_size * d
+    if cfg.moe is not None:  # per token: the gate, k experts' MLPs, PR-MoE's MLP and coefficient
+        matmul_params += M * (d * cfg.moe.num_experts + cfg.moe.gate.k * 2 * d * f
+                              + (2 * d * f + 2 * d if cfg.moe.use_residual else 0))
     dense = 6.0 * matmul_params * tokens
     attention = 12.0 * L * d * cfg.seq_len * tokens
     return {"dense": dense, "attention": attention, "total": dense + attention}
@@ -137,7 +190,7 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
 def build(config: Config) -> Model:
     """The reference GPT of ``config`` (``jzero.model`` and ``jzero.remat``) as a `Model`:
     batches are ``{"inputs", "targets"}`` int32 token arrays of shape (batch, seq_len)."""
-    cfg = gpt_config(config.jzero.model, config.jzero.remat)
+    cfg = gpt_config(config.jzero.model, config.jzero.remat, config)
     init_fn, loss_fn = make(cfg)
 
     def batch_spec(batch_size: int) -> dict[str, jax.ShapeDtypeStruct]:
@@ -149,13 +202,28 @@ def build(config: Config) -> Model:
 
     return Model(name="gpt", spec=cfg, init_fn=init_fn, loss_fn=loss_fn, batch_spec=batch_spec,
                  example_batch=example_batch, tokens_per_example=cfg.seq_len,
-                 flops=lambda batch_size: model_flops(cfg, batch_size * cfg.seq_len))
+                 flops=lambda batch_size: model_flops(cfg, batch_size * cfg.seq_len),
+                 step_metrics=MOE_METRICS if cfg.moe is not None else ())
+
+
+MOE_METRICS = ("lm_loss", "moe_aux_loss", "moe_dropped", "moe_load")
 
 
 def make(cfg: GPTConfig) -> tuple[Any, Any]:
-    """(init_fn, loss_fn) for jzero.init; batches are {"inputs": (B, T), "targets": (B, T)} int32."""
+    """(init_fn, loss_fn) for jzero.init; batches are {"inputs": (B, T), "targets": (B, T)} int32.
+    With MoE layers the loss is (cross entropy + aux_loss_coef x the aux loss summed over them,
+    `MOE_METRICS`: the cross entropy and the per-layer mean aux loss, dropped fraction and load)."""
     return from_linen(GPT(cfg), jax.ShapeDtypeStruct((1, cfg.seq_len), jnp.int32),
-                      lambda logits, batch: cross_entropy(logits, batch["targets"]))
+                      functools.partial(_loss, cfg))
+
+
+def _loss(cfg: GPTConfig, out: Any, batch: dict) -> Any:
+    if cfg.moe is None:
+        return cross_entropy(out, batch["targets"])
+    logits, stats = out
+    ce = cross_entropy(logits, batch["targets"])
+    mean = [v / cfg.moe_layers for v in stats]
+    return ce + cfg.aux_loss_coef * stats.aux_loss, dict(zip(MOE_METRICS, (ce, *mean), strict=True))
 
 
 def generate(cfg: GPTConfig, params: Any, prompt: jax.Array, num_tokens: int, rng: jax.Array,
@@ -172,7 +240,9 @@ def _generate(cfg, params, prompt, rng, temperature, num_tokens):
 
     def body(i, carry):
         window, length, out = carry
-        logits = model.apply({"params": params}, window)[0, length - 1]
+        with phase.evaluating():
+            logits = model.apply({"params": params}, window)
+        logits = (logits if cfg.moe is None else logits[0])[0, length - 1]
         token = jax.random.categorical(jax.random.fold_in(rng, i), logits / temperature).astype(jnp.int32)
         full = length == cfg.seq_len
         window = jnp.where(full, jnp.roll(window, -1, axis=1).at[0, -1].set(token),
