@@ -20,7 +20,9 @@ _EXPORTS = {
     "make_mesh": "jzero.mesh", "Plan": "jzero.sharding",
     "TrainState": "jzero.state", "abstract_init": "jzero.state", "device_params": "jzero.state",
     "init": "jzero.state",
-    "train_step": "jzero.step", "gather_rows": "jzero.rows", "row_offset": "jzero.rows",
+    "train_step": "jzero.step", "eval_step": "jzero.step", "gather_rows": "jzero.rows", "row_offset": "jzero.rows",
+    "MoE": "jzero.moe", "NNXMoE": "jzero.moe", "MoESpec": "jzero.moe", "MoEStats": "jzero.moe",
+    "GateSpec": "jzero.gating", "evaluating": "jzero.phase",
 }
 __all__ = sorted(_EXPORTS) + ["__version__"]
 

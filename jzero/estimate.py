@@ -17,7 +17,7 @@ import jax
 
 from jzero import models, profile
 from jzero.config import Config
-from jzero.mesh import make_mesh
+from jzero.mesh import EXPERT, FSDP, make_mesh
 from jzero.resolve import check_zero
 from jzero.sharding import ZERO_RULES, is_stacked
 from jzero.state import TrainState, abstract_init
@@ -62,7 +62,17 @@ class Estimate:
             "comm_ring_gib": self.comm_ring_bytes / GiB,
             "tflops_per_step": self.flops / 1e12,
             "compile_s": self.compile_s,
+            **self._experts(),
         }
+
+    def _experts(self) -> dict[str, float]:
+        """MoE models: the per-device state split into expert and non-expert bytes."""
+        m = self.memory
+        if not m.expert_params:
+            return {}
+        return {"expert_params_gib": m.expert_params / GiB, "expert_opt_state_gib": m.expert_opt_state / GiB,
+                "non_expert_params_gib": (m.params - m.expert_params) / GiB,
+                "non_expert_opt_state_gib": (m.opt_state - m.expert_opt_state) / GiB}
 
 
 class CompiledStep(NamedTuple):
@@ -106,8 +116,13 @@ def estimate(config: Config, stage: int | None = None) -> Estimate:
                     mesh=dict(mesh.shape), num_params=mem.num_params,
                     memory=mem, grads_bytes=grads, comm_elements=comm.total_elements(),
                     comm_ring_bytes=comm.total_ring_bytes(), flops=profile.flops(compiled),
-                    analytic=profile.analytic(mem.num_params, cfg.zero_optimization.stage, mesh.shape["fsdp"],
+                    analytic=profile.analytic(mem.num_params, cfg.zero_optimization.stage, zero_group(mesh),
                                               largest_layer_params=layer,
                                               accumulation=cfg.gradient_accumulation_steps,
                                               offload=state.plan.offload is not None),
                     compile_s=compile_s)
+
+
+def zero_group(mesh: Any) -> int:
+    """Devices a non-expert param is sharded over by ZeRO ("fsdp" x "expert": `jzero.sharding`)."""
+    return mesh.shape[FSDP] * mesh.shape[EXPERT]

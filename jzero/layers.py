@@ -76,7 +76,10 @@ class LinenScanLayers(nn.Module):
             keys = jax.random.split(rng, self.length)
             return jax.vmap(lambda k: block.init({"params": k, "dropout": k}, x)["params"])(keys)
 
-        stacked = self.param(STACKED_KEY, init_stack)
+        # Applied, the stack takes its params as given (not re-checked against init's shapes:
+        # under the step an MoE layer's experts are this device's E / ep_size).
+        stacked = (self.get_variable("params", STACKED_KEY) if self.has_variable("params", STACKED_KEY)
+                   else self.param(STACKED_KEY, init_stack))
         use_dropout = self.has_rng("dropout")
         keys = jax.random.split(self.make_rng("dropout") if use_dropout else jax.random.key(0), self.length)
 

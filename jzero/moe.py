@@ -8,10 +8,11 @@ coefficient mixes the two, as DeepSpeed does.
 
 Expert parallelism: under the jzero step (`jzero.step`) the mesh's "expert" axis has
 ``ep_size`` devices and each holds E / ep_size experts (`jzero.sharding`: params under an
-``"experts"`` key). Each device gates its own tokens, then one ``all_to_all`` over "expert" sends
-every expert's buffer to the device holding it and a second brings the outputs back: two per
-MoE layer forward (their transposes in backward), each E x C x d elements per device. Outside
-the step every expert is local and no data moves.
+``"experts"`` key); the layer reads that from its params' shapes (so a backward pass traced
+later, outside the step's context, reads it too). Each device gates its own tokens, then one
+``all_to_all`` over "expert" sends every expert's buffer to the device holding it and a second
+brings the outputs back: two per MoE layer forward (their transposes in backward), each
+E x C x d elements per device. Outside the step every expert is local and no data moves.
 
 The layer returns its output and `MoEStats`: the aux loss, the fraction of routes dropped over
 capacity and the expert load (max / mean of the routes per expert, before the limit).
@@ -26,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jzero import gating, phase, rows
+from jzero import gating, phase
 from jzero.config import Config, ConfigError
 from jzero.mesh import EXPERT
 from jzero.sharding import EXPERT_KEY
@@ -103,13 +104,6 @@ def validate(config: Config) -> None:
             raise ConfigError(f"moe.{key}: {why}, got {getattr(m, key)}")
 
 
-def expert_parallel_size() -> int:
-    """Devices the experts are split over in this trace: the "expert" axis inside the jzero
-    step, 1 elsewhere (all experts local)."""
-    axes = rows.current_axes()
-    return jax.lax.axis_size(EXPERT) if axes is not None and EXPERT in axes else 1
-
-
 def _mlp(p: Any, x: jax.Array, pattern: str) -> jax.Array:
     """GELU MLP ``out(gelu(fc(x)))``; ``pattern`` maps the batch dims (one MLP or one per expert)."""
     h = jnp.einsum(pattern[0], x, p["fc"]["kernel"]) + p["fc"]["bias"][..., None, :]
@@ -117,10 +111,11 @@ def _mlp(p: Any, x: jax.Array, pattern: str) -> jax.Array:
 
 
 def _experts(p: Any, buffers: jax.Array) -> jax.Array:
-    """Every expert's MLP on its buffer (E or E / ep_size, slots, d), as DeepSpeed's
-    ``Experts`` runs them, one per local expert; under the step the buffers go to the devices
-    that hold their experts and back (`all_to_all` over "expert")."""
-    ep = expert_parallel_size()
+    """Every expert's MLP on its buffer (E, C, d), as DeepSpeed's ``Experts`` runs them, one
+    per local expert. Holding E / ep_size of the E experts (``p``: this device's, under the
+    step), the buffers go to the devices that hold their experts and back (`all_to_all` over
+    "expert")."""
+    ep = buffers.shape[0] // p["fc"]["kernel"].shape[0]
     if ep > 1:  # (E, C, d) -> (E / ep, ep * C, d): each local expert's slots from every device
         buffers = jax.lax.all_to_all(buffers, EXPERT, split_axis=0, concat_axis=1, tiled=True)
     out = _mlp(p, buffers, ("ecd,edf->ecf", "ecf,efd->ecd"))
@@ -185,14 +180,17 @@ def init_params(rng: jax.Array, shapes: Any) -> Any:
 
 class MoE(nn.Module):
     """Linen MoE layer: ``(y, stats) = MoE(spec)(x)``; the dropout RNG stream drives the gate's
-    random choices (RTS, Gumbel sampling, noise), none without it."""
+    random choices (RTS, Gumbel sampling, noise), none without it. Applied to params holding a
+    subset of the experts (the jzero step's local ones), it runs expert-parallel (`_experts`):
+    the experts' shapes are read from the params, not checked against all E."""
 
     spec: MoESpec
 
     @nn.compact
     def __call__(self, x):
-        shapes = param_shapes(self.spec, self.spec.num_experts // expert_parallel_size())
-        p = {name: self.param(name, init_params, tree) for name, tree in shapes.items()}
+        shapes = param_shapes(self.spec, self.spec.num_experts)
+        p = {name: self.get_variable("params", name) if self.has_variable("params", name)
+             else self.param(name, init_params, tree) for name, tree in shapes.items()}
         rng = self.make_rng("dropout") if self.has_rng("dropout") else None
         return moe_ffn(p, x, self.spec, rng)
 

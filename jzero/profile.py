@@ -19,7 +19,7 @@ import numpy as np
 
 from jzero import hlo
 from jzero.hlo import COLLECTIVES, DTYPE_BYTES
-from jzero.sharding import HOST_KINDS
+from jzero.sharding import HOST_KINDS, is_expert
 
 
 # ------------------------------------------------------------------------------------------
@@ -30,7 +30,9 @@ class MemoryReport:
     """Bytes per device. ``arguments`` = params + opt_state + batch + other (persistent state
     is params + opt_state + other); ``peak`` = arguments + outputs + temp - aliased. ``host``:
     the state's bytes in host memory (offloaded: from the arguments' memory kinds, since
-    ``memory_analysis()`` reports no host bytes on CPU, where everything is host memory)."""
+    ``memory_analysis()`` reports no host bytes on CPU, where everything is host memory).
+    ``expert_params`` / ``expert_opt_state``: the part of ``params`` / ``opt_state`` that belongs
+    to MoE experts (`jzero.sharding.is_expert`), split over the expert axis."""
 
     arguments: int
     outputs: int
@@ -43,6 +45,8 @@ class MemoryReport:
     num_params: int
     host: int = 0
     host_in_arguments: bool = True  # whether ``arguments`` counts the host bytes too (CPU)
+    expert_params: int = 0
+    expert_opt_state: int = 0
 
     @property
     def peak(self) -> int:
@@ -76,6 +80,8 @@ def memory(compiled: Any) -> MemoryReport:
         nbytes = shard_bytes(info.shape, info.dtype, sharding)
         group = _argument_group(path)
         groups[group] += nbytes
+        if group in ("params", "opt_state") and is_expert(path):
+            groups["expert_" + group] += nbytes
         if getattr(sharding, "memory_kind", None) in HOST_KINDS:
             host += nbytes
         if group == "params":
@@ -85,7 +91,8 @@ def memory(compiled: Any) -> MemoryReport:
                         params=groups["params"], opt_state=groups["opt_state"], batch=groups["batch"],
                         other=stats.argument_size_in_bytes - groups["params"] - groups["opt_state"]
                         - groups["batch"], num_params=num_params, host=host,
-                        host_in_arguments=not stats.host_argument_size_in_bytes)
+                        host_in_arguments=not stats.host_argument_size_in_bytes,
+                        expert_params=groups["expert_params"], expert_opt_state=groups["expert_opt_state"])
 
 
 def shard_bytes(shape: tuple[int, ...], dtype: Any, sharding: Any) -> int:

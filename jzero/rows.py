@@ -39,8 +39,3 @@ def row_offset(local_rows: int) -> jax.Array:
     """Index of this device's first row in `gather_rows`' order (0 outside the step)."""
     axes = _AXES.get()
     return jnp.int32(0) if axes is None else jax.lax.axis_index(axes) * local_rows
-
-
-def current_axes() -> tuple[str, ...] | None:
-    """The data axes the rows are split over in this trace (None outside the step)."""
-    return _AXES.get()
