@@ -8,7 +8,9 @@ DeepSpeed's formulas are printed beside the measurement.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import operator
 import time
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -17,13 +19,15 @@ import jax
 
 from jzero import models, profile
 from jzero.config import Config
+from jzero.hlo import COLLECTIVES, DTYPE_BYTES
 from jzero.mesh import EXPERT, FSDP, make_mesh
 from jzero.resolve import check_zero
-from jzero.sharding import ZERO_RULES, is_stacked
+from jzero.sharding import ZERO_RULES, is_expert, is_stacked
 from jzero.state import TrainState, abstract_init
 from jzero.step import train_step
 
 GiB = 2**30
+ZERO_COLLECTIVES = tuple(k for k in COLLECTIVES if k != "all-to-all")  # what ZeRO's formulas count
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,8 @@ class Estimate:
     flops: float
     analytic: profile.Analytic
     compile_s: float
+    all_to_alls: int = 0  # MoE token dispatch: all-to-alls per step
+    all_to_all_bytes: int = 0  # their bytes per device per step
 
     def row(self) -> dict[str, Any]:
         m, a = self.memory, self.analytic
@@ -70,7 +76,8 @@ class Estimate:
         m = self.memory
         if not m.expert_params:
             return {}
-        return {"expert_params_gib": m.expert_params / GiB, "expert_opt_state_gib": m.expert_opt_state / GiB,
+        return {"all_to_alls_per_step": self.all_to_alls, "all_to_all_gib": self.all_to_all_bytes / GiB,
+                "expert_params_gib": m.expert_params / GiB, "expert_opt_state_gib": m.expert_opt_state / GiB,
                 "non_expert_params_gib": (m.params - m.expert_params) / GiB,
                 "non_expert_opt_state_gib": (m.opt_state - m.expert_opt_state) / GiB}
 
@@ -110,19 +117,24 @@ def estimate(config: Config, stage: int | None = None) -> Estimate:
         else jax.tree.leaves(state.plan.grads)
     grads = sum(profile.shard_bytes(x.shape, x.dtype, s)
                 for x, s in zip(jax.tree.leaves(state.params), layouts, strict=True))
-    layer = sum(math.prod(x.shape[1:]) for path, x in jax.tree_util.tree_flatten_with_path(state.params)[0]
-                if is_stacked(path))  # one layer of the scanned stack: DeepSpeed's largest layer
+    a2a = [c for c in comm.collectives if c.kind == "all-to-all" and c.group_size > 1]
     return Estimate(stage=cfg.zero_optimization.stage, accumulation=cfg.gradient_accumulation_steps,
                     mesh=dict(mesh.shape), num_params=mem.num_params,
-                    memory=mem, grads_bytes=grads, comm_elements=comm.total_elements(),
+                    memory=mem, grads_bytes=grads, comm_elements=comm.total_elements(ZERO_COLLECTIVES),
                     comm_ring_bytes=comm.total_ring_bytes(), flops=profile.flops(compiled),
-                    analytic=profile.analytic(mem.num_params, cfg.zero_optimization.stage, zero_group(mesh),
-                                              largest_layer_params=layer,
-                                              accumulation=cfg.gradient_accumulation_steps,
-                                              offload=state.plan.offload is not None),
-                    compile_s=compile_s)
+                    analytic=_analytic(state), compile_s=compile_s, all_to_alls=sum(c.count for c in a2a),
+                    all_to_all_bytes=sum(c.elements * DTYPE_BYTES.get(c.dtype, 4) * c.count for c in a2a))
 
 
-def zero_group(mesh: Any) -> int:
-    """Devices a non-expert param is sharded over by ZeRO ("fsdp" x "expert": `jzero.sharding`)."""
-    return mesh.shape[FSDP] * mesh.shape[EXPERT]
+def _analytic(state: TrainState) -> profile.Analytic:
+    """The formulas for the state's params: non-expert params over the ZeRO group of
+    ("fsdp", "expert"), each device's E / ep_size experts over "fsdp" (`jzero.sharding`)."""
+    cfg, mesh = state.config, state.plan.mesh
+    leaves = jax.tree_util.tree_flatten_with_path(state.params)[0]
+    layer = sum(math.prod(x.shape[1:]) for path, x in leaves if is_stacked(path))  # DeepSpeed's largest layer
+    expert = sum(math.prod(x.shape) for path, x in leaves if is_expert(path)) // mesh.shape[EXPERT]
+    dense = sum(math.prod(x.shape) for _, x in leaves) - expert * mesh.shape[EXPERT]
+    parts = [profile.analytic(n, cfg.zero_optimization.stage, group, largest_layer_params=layer,
+                              accumulation=cfg.gradient_accumulation_steps, offload=state.plan.offload is not None)
+             for n, group in ((dense, mesh.shape[FSDP] * mesh.shape[EXPERT]), (expert, mesh.shape[FSDP])) if n]
+    return functools.reduce(operator.add, parts)

@@ -45,6 +45,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -149,11 +150,13 @@ def vary(x: jax.Array) -> jax.Array:
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
-def _to_wire(x: jax.Array) -> jax.Array:
+def to_wire(x: jax.Array) -> jax.Array:
+    """A 16-bit value as its raw bits (uint16), so no backend widens it on the wire (XLA:CPU
+    turns bf16 collectives into f32 ones); `from_wire` turns it back."""
     return jax.lax.bitcast_convert_type(x, jnp.uint16) if x.dtype.itemsize == 2 else x
 
 
-def _from_wire(x: jax.Array, dtype: Any) -> jax.Array:
+def from_wire(x: jax.Array, dtype: Any) -> jax.Array:
     return jax.lax.bitcast_convert_type(x, dtype) if x.dtype == jnp.uint16 else x
 
 
@@ -166,6 +169,9 @@ def reduce(ct: jax.Array, red: Reduce, comm: Any) -> jax.Array:
     return (jax.lax.psum(g, red.over) if red.over else g).astype(jnp.float32)
 
 
+HOOK = "jzero_hook"  # the name on every hook's output: remat never saves it (`_never_save_hooks`)
+
+
 # Each hook takes (value, target): ``value`` is what the forward uses (the stored shard or
 # replica, never differentiated), ``target`` what receives the reduced gradient (fp32, in the
 # reduced-gradient layout; its value is never read).
@@ -174,14 +180,14 @@ def reduce(ct: jax.Array, red: Reduce, comm: Any) -> jax.Array:
 def gather(shard: jax.Array, target: jax.Array, red: Reduce, dtype: Any, comm: Any) -> jax.Array:
     """The full param from its ZeRO shard, moved as its raw 16-bit pattern in the compute dtype;
     backward: the gradient reduce-scattered back to the shard."""
-    full = jax.lax.all_gather(_to_wire(shard.astype(dtype)), red.scatter, axis=red.dim, tiled=True)
-    return vary(_from_wire(full, dtype))
+    full = jax.lax.all_gather(to_wire(shard.astype(dtype)), red.scatter, axis=red.dim, tiled=True)
+    return checkpoint_name(vary(from_wire(full, dtype)), HOOK)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
 def local(replica: jax.Array, target: jax.Array, red: Reduce, dtype: Any, comm: Any) -> jax.Array:
     """The local replica (sink and replicate hooks); backward: the gradient reduced per ``red``."""
-    return vary(replica.astype(dtype))
+    return checkpoint_name(vary(replica.astype(dtype)), HOOK)
 
 
 def _reduce_fwd(hook):
@@ -285,10 +291,17 @@ def _accumulate_bwd(layer, res, ct):
 accumulate_stack.defvjp(_accumulate_fwd, _accumulate_bwd)
 
 
+def _is_hook(prim: Any, params: dict) -> bool:
+    """Whether ``prim`` is a hook's custom VJP: its forward carries the `HOOK` name."""
+    if not prim.name.startswith("custom_vjp_call"):
+        return False
+    return any(e.primitive.name == "name" and e.params.get("name") == HOOK for e in params["call_jaxpr"].jaxpr.eqns)
+
+
 def _never_save_hooks(base: Callable | None) -> Callable:
-    """``base`` remat policy, except that no custom-VJP output (the hooks') is ever saved."""
+    """``base`` remat policy, except that no hook's output (a gathered or cast param) is ever saved."""
     def policy(prim, *args, **params):
-        if prim.name.startswith("custom_vjp_call"):
+        if _is_hook(prim, params):
             return False
         return True if base is None else base(prim, *args, **params)
 

@@ -19,6 +19,7 @@ capacity and the expert load (max / mean of the routes per expert, before the li
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -27,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jzero import gating, phase
+from jzero import gating, hooks, phase
 from jzero.config import Config, ConfigError
 from jzero.mesh import EXPERT
 from jzero.sharding import EXPERT_KEY
@@ -117,11 +118,28 @@ def _experts(p: Any, buffers: jax.Array) -> jax.Array:
     "expert")."""
     ep = buffers.shape[0] // p["fc"]["kernel"].shape[0]
     if ep > 1:  # (E, C, d) -> (E / ep, ep * C, d): each local expert's slots from every device
-        buffers = jax.lax.all_to_all(buffers, EXPERT, split_axis=0, concat_axis=1, tiled=True)
+        buffers = all_to_all(buffers, 0, 1)
     out = _mlp(p, buffers, ("ecd,edf->ecf", "ecf,efd->ecd"))
-    if ep > 1:
-        out = jax.lax.all_to_all(out, EXPERT, split_axis=1, concat_axis=0, tiled=True)
-    return out
+    return all_to_all(out, 1, 0) if ep > 1 else out
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def all_to_all(x: jax.Array, split: int, concat: int) -> jax.Array:
+    """``lax.all_to_all`` over "expert" in ``x``'s dtype (16-bit values moved as their bits, which
+    no backend widens); backward: the reverse all-to-all of the cotangent, likewise."""
+    moved = jax.lax.all_to_all(hooks.to_wire(x), EXPERT, split_axis=split, concat_axis=concat, tiled=True)
+    return hooks.from_wire(moved, x.dtype)
+
+
+def _all_to_all_fwd(x, split, concat):
+    return all_to_all(x, split, concat), None
+
+
+def _all_to_all_bwd(split, concat, _, ct):
+    return (all_to_all(ct, concat, split),)
+
+
+all_to_all.defvjp(_all_to_all_fwd, _all_to_all_bwd)
 
 
 def _group(p: Any, tokens: jax.Array, spec: MoESpec, rng: jax.Array | None, training: bool):

@@ -195,6 +195,12 @@ class Analytic:
     comm_elements: float
     extra: dict[str, float] = field(default_factory=dict)
 
+    def __add__(self, other: "Analytic") -> "Analytic":
+        """The formulas of two groups of params (e.g. an MoE model's experts and the rest)."""
+        return Analytic(self.paper_bytes + other.paper_bytes, self.deepspeed_bytes + other.deepspeed_bytes,
+                        self.jzero_bytes + other.jzero_bytes, self.comm_elements + other.comm_elements,
+                        {**self.extra, **other.extra})
+
 
 def analytic(num_params: int, stage: int, n: int, *, largest_layer_params: int = 0,
              accumulation: int = 1, offload: bool = False) -> Analytic:

@@ -71,11 +71,14 @@ def test_gate_equals_deepspeed(case):
 
 
 def test_golden_cases_drop_tokens():
-    """Negative control for the golden: its skewed cases do exceed capacity (something to get wrong)."""
-    for case in CASES:
-        routes = np.count_nonzero(np.asarray(case["combine"]))
-        assert (routes < case["k"] * len(case["logits"])) == ("skewed" in case["name"] or case["name"] in
-                                                            ("top1_min_capacity", "top1_odd"))
+    """Negative control for the golden: every gate drops routes over capacity in some case (there
+    is something to get wrong), and the drop_tokens = False cases drop none."""
+    dropping = {c["k"] for c in CASES if c["drop_tokens"]
+                and np.count_nonzero(np.asarray(c["combine"])) < c["k"] * len(c["logits"])}
+    assert dropping == {1, 2, 3}
+    for c in CASES:
+        if not c["drop_tokens"]:
+            assert np.count_nonzero(np.asarray(c["combine"])) == c["k"] * len(c["logits"])
 
 
 # Six tokens, two experts: tokens 0, 1, 2, 4 prefer expert 0, tokens 3 and 5 expert 1.
@@ -255,8 +258,10 @@ def test_bad_ep_size_for_the_devices_is_one_line():
 # Memory and communication, from the compiled step
 # ---------------------------------------------------------------------------------------------
 @functools.cache
-def compiled_step(stage, ep, remat="full"):
+def compiled_step(stage, ep, remat="full", bf16=False):
     cfg = moe_config(stage, ep, remat=remat)
+    if bf16:
+        cfg = jzero.load_config({**cfg.source, "bf16": {"enabled": True}})
     init_fn, loss_fn = gpt_fns(cfg)
     state = jzero.abstract_init(init_fn, cfg, loss_fn=loss_fn, mesh=jzero.make_mesh(cfg))
     batch = {k: jax.ShapeDtypeStruct((BATCH, 16), jnp.int32, sharding=state.plan.batch) for k in ("inputs", "targets")}
@@ -288,17 +293,24 @@ def test_expert_params_take_one_ep_size_th_of_the_bytes(stage, ep):
                                                                        rel=0.02)
 
 
-@pytest.mark.parametrize("ep", [2, 8])
-def test_two_all_to_alls_per_moe_layer_forward_and_their_transposes(ep):
-    compiled, state = compiled_step(2, ep, remat="none")
-    comm = profile.comm(compiled)
-    a2a = [c for c in comm.collectives if c.kind == "all-to-all"]
+@pytest.mark.parametrize("ep,bf16", [(2, False), (8, True)])
+def test_two_all_to_alls_per_moe_layer_forward_and_their_transposes(ep, bf16):
+    """Without remat: 2 forward + 2 backward per MoE layer, each the (E, C, d) buffer of one
+    device in the compute dtype (bf16 as its 16 bits: XLA:CPU would widen a bf16 all-to-all)."""
+    compiled, state = compiled_step(2, ep, remat="none", bf16=bf16)
+    a2a = [c for c in profile.comm(compiled).collectives if c.kind == "all-to-all"]
     tokens = BATCH // 8 * 16  # one device's rows x seq_len: its gating group
     capacity = gating.capacity(tokens, 8, 2 * MOE["capacity_factor"], MOE["min_capacity"])
-    assert sum(c.count for c in a2a) == 4 * 2  # 2 forward + 2 backward, 2 MoE layers
-    assert all(c.group_size == ep and c.elements == 8 * capacity * 32 and c.dtype == "f32" for c in a2a)
+    assert sum(c.count for c in a2a) == 4 * 2  # 2 MoE layers
+    assert all(c.group_size == ep and c.elements == 8 * capacity * 32 for c in a2a)
+    assert {c.dtype for c in a2a} == ({"u16"} if bf16 else {"f32"})
     control, _ = compiled_step(2, 1, remat="none")  # no expert parallelism: nothing moves
     assert not [c for c in profile.comm(control).collectives if c.kind == "all-to-all" and c.group_size > 1]
+
+
+def test_full_remat_recomputes_the_forward_all_to_alls():
+    compiled, _ = compiled_step(2, 2, remat="full")
+    assert sum(c.count for c in profile.comm(compiled).collectives if c.kind == "all-to-all") == 6 * 2
 
 
 # ---------------------------------------------------------------------------------------------
