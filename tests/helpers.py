@@ -24,16 +24,18 @@ FAST = ["--steps", "4", "--set", "jzero.train.eval_interval=2", "--set", "jzero.
         "--set", "jzero.model.seq_len=16", "--set", "jzero.data.max_bytes=200000"]
 
 
-def cli_env():
-    """The test environment for a jzero subprocess: its own device count, the cheap XLA pipeline."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"  # compile time dominates these tiny runs
+def cli_env(optimized=False):
+    """The test environment for a jzero subprocess: its own device count, the cheap XLA pipeline
+    (``optimized``: XLA's full pipeline, for runs long enough that step time dominates)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_DISABLE_MOST_OPTIMIZATIONS")}
+    if not optimized:
+        env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"  # compile time dominates these tiny runs
     return env
 
 
-def jzero_cli(*args, timeout=300):
+def jzero_cli(*args, timeout=300, optimized=False):
     return subprocess.run([sys.executable, "-m", "jzero.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=cli_env(), cwd=ROOT)
+                          timeout=timeout, env=cli_env(optimized), cwd=ROOT)
 
 
 def read_csv(path):
