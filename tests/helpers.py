@@ -122,6 +122,36 @@ def reference(model):
     return np.array(losses), jax.device_get(params)
 
 
+def plain_loop(init_fn, loss_fn, batches, split):
+    """The plain loop over ``batches``: one device, optax.adamw, the mean of the loss over the
+    blocks of rows ``split(batch)`` stacks (the groups the step's devices and micro-batches see;
+    a loss returning (loss, aux) counts its loss). Returns (losses, host params)."""
+    params = jax.jit(init_fn)(jax.random.key(0))
+    tx = optax.adamw(LR, eps=EPS, weight_decay=WD)
+    opt_state = tx.init(params)
+
+    def loss_of(p, b):
+        out = loss_fn(p, b, jax.random.key(0))
+        return out[0] if isinstance(out, tuple) else out
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        value, grads = jax.value_and_grad(lambda p: jax.vmap(lambda b: loss_of(p, b))(split(batch)).mean())(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    losses = []
+    for batch in batches:
+        params, opt_state, value = step(params, opt_state, batch)
+        losses.append(float(value))
+    return np.array(losses), jax.device_get(params)
+
+
+def row_blocks(n):
+    """``split`` for `plain_loop`: the batch as ``n`` contiguous blocks of rows."""
+    return lambda batch: jax.tree.map(lambda x: x.reshape(n, -1, *x.shape[1:]), batch)
+
+
 def assert_params_close(actual, desired):
     """rtol 1e-4, with the absolute floor at 1e-4 of the leaf's RMS: elements that cross zero
     during training (about 0.3% of them) carry the reduction-order noise of Adam's

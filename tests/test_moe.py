@@ -11,7 +11,6 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from flax import nnx
 
@@ -21,7 +20,7 @@ from jzero.config import ConfigError
 from jzero.models import gpt
 from jzero.sharding import ZERO_RULES
 
-from helpers import EPS, LR, WD, assert_params_close, jzero_cli, read_csv, token_batches
+from helpers import EPS, LR, WD, assert_params_close, jzero_cli, plain_loop, read_csv, row_blocks, token_batches
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "gating" / "deepspeed_gating.json"
 
@@ -198,28 +197,9 @@ def gpt_fns(config):
 
 @functools.cache
 def reference(groups):
-    """One device, optax.adamw, the loss of each gating group (one device's rows of one
-    micro-batch in the step: `groups` contiguous blocks of rows) averaged."""
-    init_fn, loss_fn = gpt_fns(moe_config(0, 1))
-    params = jax.jit(init_fn)(jax.random.key(0))
-    tx = optax.adamw(LR, eps=EPS, weight_decay=WD)
-    opt_state = tx.init(params)
-
-    @jax.jit
-    def step(params, opt_state, batch):
-        def loss(p):
-            split = jax.tree.map(lambda x: x.reshape(groups, -1, *x.shape[1:]), batch)
-            return jax.vmap(lambda b: loss_fn(p, b, jax.random.key(0))[0])(split).mean()
-
-        value, grads = jax.value_and_grad(loss)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, value
-
-    losses = []
-    for batch in token_batches(STEPS, BATCH, 16, 64):
-        params, opt_state, value = step(params, opt_state, batch)
-        losses.append(float(value))
-    return np.array(losses), jax.device_get(params)
+    """The plain loop on the loss of each gating group (one device's rows of one micro-batch in
+    the step: ``groups`` contiguous blocks of rows), averaged."""
+    return plain_loop(*gpt_fns(moe_config(0, 1)), token_batches(STEPS, BATCH, 16, 64), row_blocks(groups))
 
 
 # ep 1/2/4/8 x stages 0-3 on 8 devices; four in the default suite (every ep and stage once,
@@ -369,25 +349,12 @@ def test_nnx_moe_model_under_the_step_matches_single_device_loop():
     cfg = moe_config(3, 4)
     state = jzero.init(init_fn, cfg, loss_fn=loss_fn, rng=jax.random.key(0), mesh=jzero.make_mesh(cfg))
     assert state.params["moe"]["experts"]["fc"]["kernel"].addressable_shards[0].data.shape[0] == 1
-    params = jax.jit(init_fn)(jax.random.key(0))
-    tx = optax.adamw(LR, eps=EPS, weight_decay=WD)
-    opt_state = tx.init(params)
-
-    @jax.jit
-    def step(params, opt_state, batch):
-        def loss(p):
-            groups = jax.tree.map(lambda x: x.reshape(8, -1, *x.shape[1:]), batch)
-            return jax.vmap(lambda b: loss_fn(p, b, jax.random.key(0)))(groups).mean()
-
-        value, grads = jax.value_and_grad(loss)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, value
-
-    for batch in token_batches(3, BATCH, 16, 64):
+    batches = token_batches(3, BATCH, 16, 64)
+    ref_losses, ref_params = plain_loop(init_fn, loss_fn, batches, row_blocks(8))
+    for batch, ref in zip(batches, ref_losses, strict=True):
         state, metrics = jzero.train_step(state, batch)
-        params, opt_state, value = step(params, opt_state, batch)
-        np.testing.assert_allclose(float(metrics["loss"]), float(value), rtol=1e-5)
-    jax.tree.map(assert_params_close, jax.device_get(state.params), jax.device_get(params))
+        np.testing.assert_allclose(float(metrics["loss"]), ref, rtol=1e-5)
+    jax.tree.map(assert_params_close, jax.device_get(state.params), ref_params)
 
 
 @pytest.mark.slow  # the demo config end to end, 600 steps: about 75 s on 2 cores (XLA's full pipeline)

@@ -7,7 +7,6 @@ import json
 
 import jax
 import numpy as np
-import optax
 import pytest
 
 import jzero
@@ -15,7 +14,7 @@ from jzero.config import ConfigError
 from jzero.models import clip, vit
 from jzero.step import eval_step
 
-from helpers import EPS, LR, WD, jzero_cli, read_csv
+from helpers import EPS, LR, WD, jzero_cli, plain_loop, read_csv
 
 STEPS, BATCH = 10, 32
 SPECS = {"vit": vit.ViTConfig(d_model=32, n_layers=2, n_heads=2, d_ff=64),
@@ -49,26 +48,8 @@ def micro_batches(batch, ndev, accum):
 
 @functools.cache
 def reference(name, ndev, accum):
-    """The plain loop: one device, optax.adamw, the loss averaged over the step's micro-batches."""
-    init_fn, loss_fn = MAKE[name](SPECS[name])
-    params = jax.jit(init_fn)(jax.random.key(0))
-    tx = optax.adamw(LR, eps=EPS, weight_decay=WD)
-    opt_state = tx.init(params)
-
-    @jax.jit
-    def step(params, opt_state, micro):
-        def loss(p):
-            return jax.vmap(lambda mb: loss_fn(p, mb, jax.random.key(0)), in_axes=0)(micro).mean()
-
-        value, grads = jax.value_and_grad(loss)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, value
-
-    losses = []
-    for batch in batches(name):
-        params, opt_state, value = step(params, opt_state, micro_batches(batch, ndev, accum))
-        losses.append(float(value))
-    return np.array(losses)
+    """The plain loop: the loss averaged over the step's micro-batches."""
+    return plain_loop(*MAKE[name](SPECS[name]), batches(name), lambda b: micro_batches(b, ndev, accum))[0]
 
 
 # Every stage at 8 devices (accumulation 1) and 2 devices (4) for the ViT; for CLIP (the
