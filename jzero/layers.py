@@ -8,9 +8,10 @@ dimension (`jzero.sharding.STACKED_KEY`). One function serves Linen and NNX:
 * NNX: ``scan_layers(lambda rngs: Block(..., rngs=rngs), n, rngs=rngs)`` returns an NNX module.
 
 Blocks map ``x -> x`` (same shape; leading dim = batch); ``x`` may be a pytree carried
-through the stack (the MoE GPT carries its `jzero.moe.MoEStats` beside the hidden state). Both frameworks hand `run_stack` a pure
-``apply_layer`` and the stacked params, so the per-layer ZeRO hooks (`jzero.hooks`: gather each
-layer's params before use, reduce-scatter its gradient after) live in one place.
+through the stack (the MoE GPT carries its `jzero.moe.MoEStats` beside the hidden state).
+Both frameworks hand `run_stack` a pure ``apply_layer`` and the stacked params, so the
+per-layer ZeRO hooks (`jzero.hooks`: gather each layer's params before use, reduce-scatter its
+gradient after) live in one place.
 """
 from __future__ import annotations
 
