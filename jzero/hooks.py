@@ -49,6 +49,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jzero import zeropp
 from jzero.mesh import DATA_AXES, FSDP
 from jzero.sharding import is_stacked
 
@@ -85,10 +86,19 @@ class Bound(NamedTuple):
     inputs: tuple[jax.Array, ...]
 
 
+class Wire(NamedTuple):
+    """What the hooks move: params in the ``compute`` dtype (int8 blocks of ``weights`` elements
+    under ZeRO++'s qwZ), gradients reduced in ``comm`` (int8 blocks of ``grads`` elements under
+    qgZ; `jzero.zeropp`)."""
+    compute: Any
+    comm: Any = jnp.float32
+    weights: int | None = None
+    grads: int | None = None
+
+
 @dataclass(frozen=True, eq=False)
 class HookContext:
-    compute_dtype: Any
-    comm_dtype: Any = jnp.float32  # gradients are reduced in this dtype (communication_data_type)
+    wire: Wire  # what the hooks move, in which dtypes
     on_host: bool = False  # stored values live in host memory (offload_param): each hook brings its own
     bound: dict[int, tuple[jax.Array, Bound]] = field(default_factory=dict)  # id(model's leaf) -> hooks
     used: set[int] = field(default_factory=set)  # ids of bound leaves a layer stack consumed
@@ -160,10 +170,13 @@ def from_wire(x: jax.Array, dtype: Any) -> jax.Array:
     return jax.lax.bitcast_convert_type(x, dtype) if x.dtype == jnp.uint16 else x
 
 
-def reduce(ct: jax.Array, red: Reduce, comm: Any) -> jax.Array:
-    """Sum a device's local gradient over the data devices in ``comm``, as ``red`` says: scatter
-    inside the ZeRO group, then add over the other axes (a trivial axis moves no data); fp32."""
-    g = ct.astype(comm)
+def reduce(ct: jax.Array, red: Reduce, wire: Wire) -> jax.Array:
+    """Sum a device's local gradient over the data devices, as ``red`` says: scatter inside the
+    ZeRO group, then add over the other axes (a trivial axis moves no data), in the wire's
+    communication dtype, or as int8 blocks (qgZ) where the chunks are whole blocks; fp32."""
+    if zeropp.can_reduce(ct, red.dim, red.scatter, wire.grads):
+        return zeropp.reduce_scatter(ct, red.dim, red.scatter, red.over, wire.grads, wire.comm)
+    g = ct.astype(wire.comm)
     if red.dim is not None:
         g = jax.lax.psum_scatter(g, red.scatter, scatter_dimension=red.dim, tiled=True)
     return (jax.lax.psum(g, red.over) if red.over else g).astype(jnp.float32)
@@ -176,29 +189,33 @@ HOOK = "jzero_hook"  # the name on every hook's output: remat never saves it (`_
 # replica, never differentiated), ``target`` what receives the reduced gradient (fp32, in the
 # reduced-gradient layout; its value is never read).
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def gather(shard: jax.Array, target: jax.Array, red: Reduce, dtype: Any, comm: Any) -> jax.Array:
-    """The full param from its ZeRO shard, moved as its raw 16-bit pattern in the compute dtype;
-    backward: the gradient reduce-scattered back to the shard."""
-    full = jax.lax.all_gather(to_wire(shard.astype(dtype)), red.scatter, axis=red.dim, tiled=True)
-    return checkpoint_name(vary(from_wire(full, dtype)), HOOK)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def gather(shard: jax.Array, target: jax.Array, red: Reduce, wire: Wire) -> jax.Array:
+    """The full param from its ZeRO shard, in the compute dtype: moved as its raw 16-bit
+    pattern, or as int8 blocks (qwZ); backward: the gradient reduced back to the shard."""
+    if zeropp.can_gather(shard, wire.weights):
+        full = zeropp.gather(shard, red.dim, red.scatter, wire.compute, wire.weights)
+    else:
+        moved = jax.lax.all_gather(to_wire(shard.astype(wire.compute)), red.scatter, axis=red.dim, tiled=True)
+        full = from_wire(moved, wire.compute)
+    return checkpoint_name(vary(full), HOOK)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def local(replica: jax.Array, target: jax.Array, red: Reduce, dtype: Any, comm: Any) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def local(replica: jax.Array, target: jax.Array, red: Reduce, wire: Wire) -> jax.Array:
     """The local replica (sink and replicate hooks); backward: the gradient reduced per ``red``."""
-    return checkpoint_name(vary(replica.astype(dtype)), HOOK)
+    return checkpoint_name(vary(replica.astype(wire.compute)), HOOK)
 
 
 def _reduce_fwd(hook):
-    def fwd(value, target, red, dtype, comm):
-        return hook(value, target, red, dtype, comm), None
+    def fwd(value, target, red, wire):
+        return hook(value, target, red, wire), None
 
     return fwd
 
 
-def _reduce_bwd(red, dtype, comm, _, ct):
-    return None, reduce(ct, red, comm)
+def _reduce_bwd(red, wire, _, ct):
+    return None, reduce(ct, red, wire)
 
 
 gather.defvjp(_reduce_fwd(gather), _reduce_bwd)
@@ -210,7 +227,7 @@ def _apply(ctx: HookContext, kind: str, red: Reduce, inputs: tuple[jax.Array, ..
     if ctx.on_host:  # one layer's (or leaf's) shard to the device, right before its use
         inputs = (jax.device_put(inputs[0], jax.memory.Space.Device), inputs[1])
     hook = gather if kind == "gather" else local
-    return hook(*inputs, red, ctx.compute_dtype, ctx.comm_dtype)
+    return hook(*inputs, red, ctx.wire)
 
 
 def _gathered(shape: tuple[int, ...], red: Reduce) -> tuple[int, ...]:
@@ -243,7 +260,7 @@ def bind_accumulators(ctx: HookContext, params: Any, accs: Any) -> Any:
     accumulator for `scan` (see `accumulate_stack`)."""
     def one(path, p, acc):
         if not is_stacked(path):
-            return p.astype(ctx.compute_dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p
+            return p.astype(ctx.wire.compute) if jnp.issubdtype(p.dtype, jnp.floating) else p
         ctx.bound[id(p)] = (p, Bound("accumulate", None, (p, acc)))
         return p
 
@@ -348,7 +365,7 @@ def _accumulating_scan(ctx: HookContext, apply_layer: Callable, policy: Callable
     ws, accs = [b.inputs[0] for b in bound], [b.inputs[1] for b in bound]
 
     def layer(ws, h, e):
-        return apply_layer(jax.tree.unflatten(treedef, [w.astype(ctx.compute_dtype) for w in ws]), h, e)
+        return apply_layer(jax.tree.unflatten(treedef, [w.astype(ctx.wire.compute) for w in ws]), h, e)
 
     if policy is jax.checkpoint_policies.nothing_saveable:
         return accumulate_stack(layer, x, ws, extra, accs)

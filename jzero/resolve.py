@@ -115,10 +115,12 @@ def check_zero(zero: ZeroConfig) -> None:
     """ConfigError for a ``zero_optimization`` section jzero cannot run (checked again by
     whoever changes the stage after loading, e.g. `jzero estimate --stage`)."""
     _check_offload(zero)
-    for name in ("zero_quantized_weights", "zero_quantized_gradients"):
-        if getattr(zero, name):
-            raise ConfigError(f"zero_optimization.{name}: quantized ZeRO++ collectives are not supported "
-                              "(valid: false)")
+    if zero.zero_quantized_weights and zero.stage != 3:
+        raise ConfigError(f"zero_optimization.zero_quantized_weights: quantizes stage 3's weight all-gathers; "
+                          f"needs stage 3 (got stage {zero.stage})")
+    if zero.zero_quantized_gradients and zero.stage == 0:
+        raise ConfigError("zero_optimization.zero_quantized_gradients: quantizes the gradient reduce-scatter of "
+                          "stages 1-3; stage 0 all-reduces (got stage 0)")
     if zero.mics_shard_size > 0:
         raise ConfigError("zero_optimization.mics_shard_size: MiCS is not supported; "
                           "use zero_hpz_partition_size for hierarchical sharding")
@@ -188,6 +190,7 @@ def _check_ranges(cfg: Config) -> None:
         raise ConfigError(f"fp16.min_loss_scale: must be > 0, got {fp16.min_loss_scale}")
     if cfg.jzero.max_loss_scale < max(fp16.min_loss_scale, 1.0):
         raise ConfigError(f"jzero.max_loss_scale: must be >= fp16.min_loss_scale, got {cfg.jzero.max_loss_scale}")
+    _positive("jzero.quantization_block_size", cfg.jzero.quantization_block_size)
     _positive("jzero.mesh.devices", cfg.jzero.mesh.devices)
     _positive("jzero.mesh.fsdp", cfg.jzero.mesh.fsdp)
     for key in ("steps", "eval_interval", "eval_batches"):

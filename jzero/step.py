@@ -156,9 +156,7 @@ def _local_loss(state: TrainState, hooked: Any, stored: Any, targets: Any, acc: 
     (stages 2-3)."""
     if hooked is None and acc is None:
         return _loss_and_aux(state, targets, rows, rng, scale)
-    pol = precision.policy(state.config)
-    ctx = hooks.HookContext(compute_dtype=pol.compute_dtype, comm_dtype=pol.comm_dtype,  # this trace's
-                            on_host=state.plan.compute_on_host)
+    ctx = hooks.HookContext(wire(state.config), on_host=state.plan.compute_on_host)  # this trace's
     params = (hooks.bind(ctx, hooked, stored, targets) if hooked is not None
               else hooks.bind_accumulators(ctx, targets, acc))
     return _loss_and_aux(state, params, rows, rng, scale, ctx)
@@ -204,7 +202,7 @@ def _accumulated_grads(state: TrainState, stored: Any, batch: Any, rng: jax.Arra
             loss0 = jax.lax.pcast(jnp.zeros((), jnp.float32), DATA_AXES, to="varying")  # a local sum
             loss, aux, acc = _sum_over_micro_batches(grad_fn, micro, rng, (zeros, loss0))
         if hooked is None:
-            acc = jax.tree.map(lambda g, s: _reduce_once(g, s.spec, pol.comm_dtype).astype(g.dtype), acc, plan.grads)
+            acc = jax.tree.map(lambda g, s: _reduce_once(g, s.spec, wire(cfg)).astype(g.dtype), acc, plan.grads)
         aux = None if aux is None else jax.tree.map(lambda a: jax.lax.pmean(a, DATA_AXES), aux)
         return jax.lax.psum(loss, DATA_AXES) / count, aux, jax.tree.map(lambda g: g / count, acc)
 
@@ -233,10 +231,19 @@ def _sum_over_micro_batches(grad_fn, micro: Any, rng: jax.Array, zeros: Any):
     return loss_sum, None if aux is None else jax.tree.map(lambda a: jnp.mean(a, axis=0), aux), acc
 
 
-def _reduce_once(g: jax.Array, spec: P, comm: Any) -> jax.Array:
-    """A device's accumulated gradient summed over the data devices, in ``comm``, laid out as
-    ``spec``: reduce-scattered along its ZeRO dimension, else all-reduced; fp32 after."""
-    return hooks.reduce(g, hooks.reduction(spec), comm)
+def _reduce_once(g: jax.Array, spec: P, on_wire: hooks.Wire) -> jax.Array:
+    """A device's accumulated gradient summed over the data devices as ``on_wire`` says, laid
+    out as ``spec``: reduce-scattered along its ZeRO dimension, else all-reduced; fp32 after."""
+    return hooks.reduce(g, hooks.reduction(spec), on_wire)
+
+
+def wire(cfg: Any) -> hooks.Wire:
+    """What the config's collectives move: params in the compute dtype, gradients in
+    ``communication_data_type``; int8 blocks of ``jzero.quantization_block_size`` elements
+    with ZeRO++'s ``zero_quantized_weights`` / ``zero_quantized_gradients``."""
+    pol, zero, block = precision.policy(cfg), cfg.zero_optimization, cfg.jzero.quantization_block_size
+    return hooks.Wire(pol.compute_dtype, pol.comm_dtype, block if zero.zero_quantized_weights else None,
+                      block if zero.zero_quantized_gradients else None)
 
 
 def _check_batch(batch: Any, expected: int) -> None:
