@@ -19,15 +19,15 @@ import jax
 
 from jzero import models, profile
 from jzero.config import Config
-from jzero.hlo import COLLECTIVES, DTYPE_BYTES
+from jzero.hlo import DTYPE_BYTES
 from jzero.mesh import EXPERT, FSDP, make_mesh
+from jzero.moe import DISPATCH
 from jzero.resolve import check_zero
 from jzero.sharding import ZERO_RULES, is_expert, is_stacked
 from jzero.state import TrainState, abstract_init
 from jzero.step import train_step
 
 GiB = 2**30
-ZERO_COLLECTIVES = tuple(k for k in COLLECTIVES if k != "all-to-all")  # what ZeRO's formulas count
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,9 @@ class Estimate:
     compile_s: float
     all_to_alls: int = 0  # MoE token dispatch: all-to-alls per step
     all_to_all_bytes: int = 0  # their bytes per device per step
+    wire_bytes: float = 0.0  # ZeRO's collectives, bytes per device per step in the dtype moved
+    unquantized_wire_bytes: float | None = None  # the same step without ZeRO++ quantization
+    widened: tuple[str, ...] = ()  # collectives this backend widens ("reduce-scatter bf16->f32")
 
     def row(self) -> dict[str, Any]:
         m, a = self.memory, self.analytic
@@ -66,10 +69,23 @@ class Estimate:
             "comm_elements_per_param": self.comm_elements / n,
             "deepspeed_comm_per_param": a.comm_elements / n,
             "comm_ring_gib": self.comm_ring_bytes / GiB,
+            "wire_gib": self.wire_bytes / GiB,
+            **self._quantized(),
             "tflops_per_step": self.flops / 1e12,
             "compile_s": self.compile_s,
             **self._experts(),
         }
+
+    def _quantized(self) -> dict[str, Any]:
+        """ZeRO++: the wire against the unquantized step's, and what the backend widened (its
+        bytes are counted as moved, not as the program asks)."""
+        out: dict[str, Any] = {}
+        if self.unquantized_wire_bytes:
+            out = {"unquantized_wire_gib": self.unquantized_wire_bytes / GiB,
+                   "wire_vs_unquantized": self.wire_bytes / self.unquantized_wire_bytes}
+        if self.widened:
+            out["widened_by_backend"] = ", ".join(self.widened)
+        return out
 
     def _experts(self) -> dict[str, float]:
         """MoE models: the per-device state split into expert and non-expert bytes."""
@@ -117,13 +133,27 @@ def estimate(config: Config, stage: int | None = None) -> Estimate:
         else jax.tree.leaves(state.plan.grads)
     grads = sum(profile.shard_bytes(x.shape, x.dtype, s)
                 for x, s in zip(jax.tree.leaves(state.params), layouts, strict=True))
-    a2a = [c for c in comm.collectives if c.kind == "all-to-all" and c.group_size > 1]
+    a2a = [c for c in comm.collectives if DISPATCH in c.op_name and c.group_size > 1]  # MoE's tokens
+    zero = _zero_comm(comm)
+    unquantized = None
+    if cfg.zero_optimization.zero_quantized_weights or cfg.zero_optimization.zero_quantized_gradients:
+        plain = dataclasses.replace(cfg.zero_optimization, zero_quantized_weights=False,
+                                    zero_quantized_gradients=False)
+        plain_step = compile_step(dataclasses.replace(config, zero_optimization=plain)).compiled
+        unquantized = _zero_comm(profile.comm(plain_step)).total_wire_bytes()
+    widened = tuple(sorted({f"{c.kind} {c.dtype}->{c.widened_to}" for c in zero.collectives if c.widened_to}))
     return Estimate(stage=cfg.zero_optimization.stage, accumulation=cfg.gradient_accumulation_steps,
                     mesh=dict(mesh.shape), num_params=mem.num_params,
-                    memory=mem, grads_bytes=grads, comm_elements=comm.total_elements(ZERO_COLLECTIVES),
+                    memory=mem, grads_bytes=grads, comm_elements=zero.total_elements(),
                     comm_ring_bytes=comm.total_ring_bytes(), flops=profile.flops(compiled),
                     analytic=_analytic(state), compile_s=compile_s, all_to_alls=sum(c.count for c in a2a),
-                    all_to_all_bytes=sum(c.elements * DTYPE_BYTES.get(c.dtype, 4) * c.count for c in a2a))
+                    all_to_all_bytes=sum(c.elements * DTYPE_BYTES.get(c.dtype, 4) * c.count for c in a2a),
+                    wire_bytes=zero.total_wire_bytes(), unquantized_wire_bytes=unquantized, widened=widened)
+
+
+def _zero_comm(comm: profile.CommReport) -> profile.CommReport:
+    """ZeRO's collectives: all but MoE's token all-to-alls."""
+    return profile.CommReport(tuple(c for c in comm.collectives if DISPATCH not in c.op_name and c.group_size > 1))
 
 
 def _analytic(state: TrainState) -> profile.Analytic:

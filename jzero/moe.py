@@ -34,6 +34,7 @@ from jzero.mesh import EXPERT
 from jzero.sharding import EXPERT_KEY
 
 _init = nn.initializers.normal(0.02)
+DISPATCH = "moe_dispatch"  # the named scope of the token all-to-alls (`jzero.profile` op_name)
 
 
 @dataclass(frozen=True)
@@ -127,7 +128,8 @@ def _experts(p: Any, buffers: jax.Array) -> jax.Array:
 def all_to_all(x: jax.Array, split: int, concat: int) -> jax.Array:
     """``lax.all_to_all`` over "expert" in ``x``'s dtype (16-bit values moved as their bits, which
     no backend widens); backward: the reverse all-to-all of the cotangent, likewise."""
-    moved = jax.lax.all_to_all(hooks.to_wire(x), EXPERT, split_axis=split, concat_axis=concat, tiled=True)
+    with jax.named_scope(DISPATCH):
+        moved = jax.lax.all_to_all(hooks.to_wire(x), EXPERT, split_axis=split, concat_axis=concat, tiled=True)
     return hooks.from_wire(moved, x.dtype)
 
 

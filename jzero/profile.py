@@ -124,6 +124,13 @@ class Collective:
     name: str
     groups: tuple[tuple[int, ...], ...] | None = None  # device ids of each group, where the HLO lists them
     widened_to: str | None = None  # the dtype the backend really carries, where it widened ``dtype``
+    op_name: str = ""  # the jax op_name metadata (named scopes: "moe_dispatch" marks MoE's all-to-alls)
+
+    @property
+    def wire_bytes(self) -> float:
+        """Bytes per device per execution in the ZeRO paper's accounting, in the dtype the
+        backend really moves (the widened one, where it widened)."""
+        return self.zero_elements * DTYPE_BYTES.get(self.widened_to or self.dtype, 4)
 
     @property
     def zero_elements(self) -> int:
@@ -155,6 +162,19 @@ class CommReport:
     def total_ring_bytes(self) -> float:
         return sum(c.ring_bytes * c.count for c in self.collectives)
 
+    def total_wire_bytes(self) -> float:
+        """`Collective.wire_bytes` of every collective, times how often it runs."""
+        return sum(c.wire_bytes * c.count for c in self.collectives)
+
+    def wire_bytes_by_kind_dtype(self) -> dict[tuple[str, str], float]:
+        """Wire bytes per step by (kind, dtype moved); a widened collective is listed under
+        "dtype->widened" (what the program asks for, and what this backend moves)."""
+        out: dict[tuple[str, str], float] = defaultdict(float)
+        for c in self.collectives:
+            if c.group_size > 1:
+                out[(c.kind, f"{c.dtype}->{c.widened_to}" if c.widened_to else c.dtype)] += c.wire_bytes * c.count
+        return dict(out)
+
     def by_kind_dtype(self) -> dict[tuple[str, str], int]:
         out: dict[tuple[str, str], int] = defaultdict(int)
         for c in self.collectives:
@@ -175,9 +195,11 @@ def comm(compiled: Any) -> CommReport:
         elements = sum(math.prod(dims) for _, dims in shapes)
         dtype = shapes[0][0] if shapes else "?"
         requested = module.requested_dtype(inst)
+        op_name = re.search(r'op_name="([^"]*)"', inst.line)
         found.append(Collective(kind=kind, dtype=requested or dtype, elements=elements,
                                 group_size=hlo.group_size(inst.line), count=inst.count, name=inst.name,
-                                groups=hlo.replica_groups(inst.line), widened_to=dtype if requested else None))
+                                groups=hlo.replica_groups(inst.line), widened_to=dtype if requested else None,
+                                op_name=op_name.group(1) if op_name else ""))
     return CommReport(tuple(found))
 
 
