@@ -4,7 +4,8 @@ size (on the model's initial weights and its first gradient), and `jzero train
 configs/gpt_small_zero3.json` for 300 steps with and without quantization (held-out loss).
 Prints tables; writes ``benchmarks/results/zeropp.{json,md}``.
 
-    python benchmarks/zeropp.py        # about eight minutes on 2 CPU cores
+    python benchmarks/zeropp.py                # about fifteen minutes on 2 CPU cores
+    python benchmarks/zeropp.py --reuse-runs   # the wire and error tables only (the last runs kept)
 """
 from __future__ import annotations
 
@@ -44,8 +45,8 @@ def wire() -> dict:
 
 
 def errors() -> list[dict]:
-    """Relative L2 error ||x - q(x)|| / ||x|| over every leaf that splits into blocks, and the
-    scales' share of the wire, by block size."""
+    """Relative L2 error ||x - q(x)|| / ||x|| by block size, over the same leaves for every size
+    (those that split into blocks of the largest), and the scales' share of the wire."""
     import jax
     import numpy as np
 
@@ -62,7 +63,7 @@ def errors() -> list[dict]:
         for name, tree in (("weights", params), ("gradients", grads)):
             num = den = 0.0
             for x in jax.tree.leaves(tree):
-                if x.size % block == 0:
+                if x.size % max(BLOCKS) == 0:
                     back = quantize.dequantize(quantize.quantize(x, block), x.shape, np.float32)
                     num += float(np.sum((np.asarray(back) - np.asarray(x)) ** 2))
                     den += float(np.sum(np.asarray(x) ** 2))
@@ -83,7 +84,10 @@ def train(extra: list[str]) -> dict:
 
 def main() -> int:
     w, e = wire(), errors()
-    runs = {"unquantized": train([]), "qwZ + qgZ": train(QUANTIZED)}
+    if "--reuse-runs" in sys.argv:  # re-table the wire and errors, keeping the last training runs
+        runs = json.loads((RESULTS / "zeropp.json").read_text())["runs"]
+    else:
+        runs = {"unquantized": train([]), "qwZ + qgZ": train(QUANTIZED)}
     base = w["unquantized"]["wire_bytes"]
     lines = ["| run | wire MiB per step per device | vs unquantized | held-out loss after 300 steps |",
              "|---|---|---|---|"]

@@ -220,7 +220,7 @@ class JzeroConfig:
     remat: str = "full"
     compute_dtype: Literal["fp32", "bf16", "fp16"] | None = None
     max_loss_scale: float = 2.0**24
-    quantization_block_size: int = 2048  # ZeRO++ (zero_quantized_*): elements per int8 block on the wire
+    quantization_block_size: int = 2048  # ZeRO++ int8 block (benchmarks/zeropp.py: scales 0.2% of the wire)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)

@@ -19,6 +19,8 @@ whose backward is `reduce` as the leaf's gradient layout says (`reduction`):
 
 The ZeRO group is "fsdp" (with "expert" for non-expert leaves under MoE); an expert leaf's
 gradient is never summed over "expert" (`jzero.sharding`: each device's experts are its own).
+Under ZeRO++ (`Wire`: ``zero_quantized_weights`` / ``_gradients``) the gather and the
+reduce-scatter move int8 blocks instead (`jzero.zeropp`).
 
 Leaves outside a layer stack are hooked once, before the model runs. Leaves of a `scan_layers`
 stack are hooked per layer inside the scan (`scan`), so a gathered layer lives for one layer
