@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from jzero import elastic
 from jzero.typed import AUTO, ConfigError, ConfigWarning, auto_field, parse, read_json, to_dict, unknown
 
 __all__ = ["AUTO", "ConfigError", "ConfigWarning", "read_json", "unknown"]  # re-exported: errors live here
@@ -138,6 +139,24 @@ class MeshConfig:
 
 
 @dataclass(frozen=True)
+class ElasticityConfig:
+    """DeepSpeed's ``elasticity`` (`jzero.elastic`): the global batch and micro-batch are chosen so
+    that many data-parallel sizes train the same thing; DeepSpeed's defaults."""
+
+    enabled: bool = False
+    max_train_batch_size: int = 2000
+    micro_batch_sizes: tuple = (2, 4, 6)
+    min_gpus: int = 1
+    max_gpus: int = 10000
+    min_time: int = 0
+    version: float = 0.2
+    prefer_larger_batch: bool = True
+    ignore_non_elastic_batch_info: bool = False
+    num_gpus_per_node: int = 1
+    model_parallel_size: int = 1
+
+
+@dataclass(frozen=True)
 class MoEConfig:
     """``moe``: DeepSpeed-MoE's layer arguments (`deepspeed.moe.layer.MoE`) for the reference GPT,
     plus the aux-loss coefficient and the MoE layer interval (Megatron-DeepSpeed's
@@ -255,6 +274,7 @@ class Config:
     tensorboard: MonitorConfig = field(default_factory=MonitorConfig)
     csv_monitor: MonitorConfig = field(default_factory=MonitorConfig)
     moe: MoEConfig | None = None
+    elasticity: ElasticityConfig = field(default_factory=ElasticityConfig)
     jzero: JzeroConfig = field(default_factory=JzeroConfig)
     # Resolution record (not user keys).
     dp_size: int = field(default=1, metadata={"internal": True})
@@ -265,7 +285,7 @@ class Config:
         """This config with the batch rule re-resolved for a data-parallel size of ``dp``."""
         if dp == self.dp_size:
             return self
-        train, micro, accum = resolve_batch(*self.given_batch, dp)
+        train, micro, accum = batch_rule(self, self.given_batch, dp)
         return dataclasses.replace(self, train_batch_size=train, train_micro_batch_size_per_gpu=micro,
                                    gradient_accumulation_steps=accum, dp_size=dp)
 
@@ -293,10 +313,48 @@ def parse_config(raw: Mapping[str, Any], dp_size: int | None = None) -> Config:
                           given, strict=True):
         if value is not None and value < 1:
             raise ConfigError(f"{key}: must be >= 1, got {value}")
-    train, micro, accum = resolve_batch(*given, dp_size)
+    train, micro, accum = batch_rule(cfg, given, dp_size)
     return dataclasses.replace(cfg, train_batch_size=train, train_micro_batch_size_per_gpu=micro,
                                gradient_accumulation_steps=accum, dp_size=dp_size, given_batch=given,
                                source=dict(raw))
+
+
+def batch_rule(cfg: Config, given: tuple, dp: int) -> tuple[int, int, int]:
+    """(train, micro, accum) for ``dp``: DeepSpeed's elasticity when enabled, else the batch rule."""
+    if cfg.elasticity.enabled:
+        return elastic_batch(cfg.elasticity, given, dp)
+    return resolve_batch(*given, dp)
+
+
+def elastic_batch(e: ElasticityConfig, given: tuple, dp: int) -> tuple[int, int, int]:
+    """(train, micro, accum) by DeepSpeed's elasticity (`jzero.elastic`) for a data-parallel size
+    of ``dp``; ConfigError naming the key when the section is wrong or ``dp`` is not valid."""
+    sizes = list(e.micro_batch_sizes)
+    checks = [("micro_batch_sizes", bool(sizes) and all(isinstance(m, int) and not isinstance(m, bool) and m > 0
+                                                         for m in sizes), "must be a list of positive integers"),
+              ("max_train_batch_size", bool(sizes) and e.max_train_batch_size >= max(sizes),
+               "must be >= every micro batch size"),
+              ("min_gpus", 1 <= e.min_gpus <= e.max_gpus, "must be >= 1 and <= max_gpus"),
+              ("version", e.version in (0.1, 0.2), "must be 0.1 or 0.2"),
+              ("model_parallel_size", e.model_parallel_size == 1, "jzero has no model parallelism; must be 1"),
+              ("num_gpus_per_node", e.num_gpus_per_node >= 1, "must be >= 1")]
+    for key, ok, why in checks:
+        if not ok:
+            raise ConfigError(f"elasticity.{key}: {why}, got {getattr(e, key)!r}")
+    if any(v is not None for v in given) and not e.ignore_non_elastic_batch_info:
+        raise ConfigError("elasticity: sets train_batch_size, train_micro_batch_size_per_gpu and "
+                          "gradient_accumulation_steps itself; remove them or set "
+                          "elasticity.ignore_non_elastic_batch_info: true")
+    if e.version == 0.1:
+        train, valid = elastic.v01(sizes, e.max_train_batch_size, e.min_gpus, e.max_gpus, e.prefer_larger_batch)
+    else:
+        train, valid = elastic.v02(sizes, e.max_train_batch_size, dp, e.min_gpus, e.max_gpus, e.prefer_larger_batch,
+                                   e.num_gpus_per_node, e.model_parallel_size)
+    if dp not in valid:
+        raise ConfigError(f"elasticity: a data-parallel size of {dp} is not valid for global batch {train}; "
+                          f"valid sizes: {', '.join(map(str, valid))}")
+    micro = elastic.micro_batch(train, dp, sizes)
+    return train, micro, train // (micro * dp)
 
 
 # HF's "auto" rules for the ZeRO sizes, from the model's hidden size h.

@@ -41,7 +41,6 @@ UNSUPPORTED_SECTIONS = {
     "compression_training": "compression training is not implemented",
     "curriculum_learning": "curriculum learning is not implemented",
     "data_efficiency": "data-efficiency sampling is not implemented",
-    "elasticity": "elastic training is not implemented; checkpoints restore onto any mesh instead",
     "aio": "NVMe offload (aio) is not implemented",
     "wandb": "Weights & Biases monitoring is not implemented; use tensorboard or csv_monitor",
     "comet": "Comet monitoring is not implemented; use tensorboard or csv_monitor",
@@ -65,6 +64,7 @@ def load_config(source: str | os.PathLike | Mapping[str, Any], *, dp_size: int |
         if key in UNSUPPORTED_SECTIONS and _enabled(raw[key]):
             raise ConfigError(f"{key}: not supported by jzero: {UNSUPPORTED_SECTIONS[key]}")
     noops = sorted(k for k in raw if k in NOOP_SECTIONS or k in UNSUPPORTED_SECTIONS)
+    _check_elasticity_keys(raw)
     cfg = parse_config({k: v for k, v in raw.items() if k not in noops}, dp_size)
     if cfg.activation_checkpointing is not None and "remat" not in raw.get("jzero", {}):
         remat_name = "offload" if cfg.activation_checkpointing.cpu_checkpointing else "full"
@@ -103,6 +103,15 @@ def hidden_size(params_shape: Any) -> int:
     if not counts:
         raise ConfigError("zero_optimization: 'auto' sizes need a model with parameters")
     return max(counts, key=lambda d: (counts[d], d))
+
+
+def _check_elasticity_keys(raw: Mapping[str, Any]) -> None:
+    """DeepSpeed requires these two keys of an enabled ``elasticity`` section (no defaults)."""
+    section = raw.get("elasticity")
+    if isinstance(section, Mapping) and section.get("enabled") is True:
+        for key in ("max_train_batch_size", "micro_batch_sizes"):
+            if key not in section:
+                raise ConfigError(f"elasticity.{key}: required when elasticity is enabled (DeepSpeed has no default)")
 
 
 def _enabled(value: Any) -> bool:

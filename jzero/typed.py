@@ -117,6 +117,8 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
             raise ConfigError(f"{where}: expected a string, got {type(value).__name__} {value!r}")
         return value
     if tp is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {type(value).__name__} {value!r}")
         return tuple(value)
     raise TypeError(f"unhandled config type {tp} at {where}")
 

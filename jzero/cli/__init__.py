@@ -1,7 +1,7 @@
 """The ``jzero`` command line: one module per command, each with its own sub-parser.
 
-``train`` (`jzero.cli.train`), ``launch``, ``estimate``, ``profile``, ``autotune``, ``export``
-and ``bench``. On a CPU-only host the devices a run asks for (``--devices`` or
+``train`` (`jzero.cli.train`), ``launch``, ``estimate``, ``profile``, ``autotune``, ``tune``,
+``export`` and ``bench``. On a CPU-only host the devices a run asks for (``--devices`` or
 ``jzero.mesh.devices``) are simulated: the XLA flag is set before any JAX backend starts. Bad
 input ends with one line on stderr and exit code 2, Ctrl-C with one line and exit code 130, and
 every warning is one line, ``jzero: warning: ...`` (library users keep Python's warnings).
@@ -13,11 +13,11 @@ import sys
 import warnings
 from typing import Any
 
-from jzero.cli import autotune, bench, estimate, export, launch, profile, train
+from jzero.cli import autotune, bench, estimate, export, launch, profile, train, tune
 from jzero.cli.common import UsageError
 
 EXIT_USAGE, EXIT_INTERRUPTED = 2, 130
-COMMANDS = (train, launch, autotune, profile, export, estimate, bench)
+COMMANDS = (train, launch, autotune, tune, profile, export, estimate, bench)
 
 
 def main(argv: list[str] | None = None) -> int:
