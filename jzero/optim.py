@@ -66,10 +66,12 @@ def validate(opt: OptimizerConfig) -> OptimizerConfig:
     return OptimizerConfig(type=name, params=params)
 
 
-def build(cfg: Config) -> Optimizer:
-    """The optax transformation and its schedules for the resolved ``cfg.optimizer`` / ``cfg.scheduler``."""
+def build(cfg: Config, lr: schedules.Schedule | None = None) -> Optimizer:
+    """The optax transformation and its schedules for the resolved ``cfg.optimizer`` / ``cfg.scheduler``;
+    ``lr``: this lr schedule instead of the config's (the lr range test's sweep)."""
     name, p = cfg.optimizer.type, cfg.optimizer.params
-    sched = schedules.build(cfg, p["lr"], cycles_betas="betas" in PARAMS[name])
+    sched = (schedules.build(cfg, p["lr"], cycles_betas="betas" in PARAMS[name]) if lr is None
+             else schedules.Schedules(lr, None))
     if name == "Adam" and not p["adam_w_mode"]:
         name = "AdamL2"
     hyper = _HYPER[name](p, sched)

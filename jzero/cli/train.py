@@ -29,6 +29,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        help="device peak TFLOP/s for MFU (default: known for H100/H200/A100/TPU, none on CPU)")
     train.add_argument("--no-resume", action="store_true",
                        help="start over instead of resuming from OUT/checkpoints (which is moved aside, not deleted)")
+    train.add_argument("--auto-lr", type=int, nargs="?", const=100, metavar="STEPS",
+                       help='with optimizer.params.lr "auto": run the lr range test first (STEPS steps, default 100; '
+                            "jzero tune lr) and train with its suggestion")
     train.add_argument("--coordinator", metavar="HOST:PORT",
                        help="multi-process: process 0's address (env JZERO_COORDINATOR)")
     train.add_argument("--num-processes", type=int, help="multi-process: how many (env JZERO_NUM_PROCESSES)")
@@ -49,11 +52,22 @@ def run(args: argparse.Namespace) -> int:
         if args.steps < 1:
             raise UsageError(f"--steps: must be >= 1, got {args.steps}")
         raw.setdefault("jzero", {}).setdefault("train", {})["steps"] = args.steps
+    auto_lr = _auto_lr(raw, args.auto_lr)
     config = load_config(raw)
     # Before any JAX backend starts: simulated devices, XLA flags, the multi-process runtime.
     simulate_devices(_local_devices(devices, setting.num_processes) if isinstance(devices, int) else None)
     flags = xla_flags.apply(config)
     distributed.initialize(setting)
+    if auto_lr:
+        from jzero import lrfind
+
+        t0 = time.perf_counter()
+        test = lrfind.range_test(raw, steps=auto_lr)
+        raw["optimizer"]["params"]["lr"] = test.suggestion
+        config = load_config(raw)
+        if distributed.is_primary():
+            print(f"jzero: --auto-lr: the lr range test ({len(test.lrs)} steps, {time.perf_counter() - t0:.0f} s) "
+                  f"suggests lr {test.suggestion:.3e}; training with it")
 
     from jzero.checkpoint import Checkpointer
 
@@ -70,6 +84,21 @@ def run(args: argparse.Namespace) -> int:
         return _train(config, out, checkpointer, flags, args.peak_tflops)
     finally:
         checkpointer.close()
+
+
+def _auto_lr(raw: dict[str, Any], steps: int | None) -> int | None:
+    """The range test's steps when ``--auto-lr`` is given for an ``"auto"`` lr (a placeholder lr
+    stands in until the test has run); one-line errors otherwise."""
+    params = raw.get("optimizer", {}).get("params", {})
+    if steps is None:
+        return None
+    if params.get("lr") != "auto":
+        raise UsageError(f"--auto-lr: the config's optimizer.params.lr is {params.get('lr')!r}, not \"auto\"; "
+                         "set it to \"auto\" for the range test to choose it")
+    if steps < 5:
+        raise UsageError(f"--auto-lr: the range test needs at least 5 steps, got {steps}")
+    params["lr"] = 1e-3  # stands in for the config checks; replaced by the suggestion
+    return steps
 
 
 def _local_devices(total: int, num_processes: int) -> int:

@@ -1,6 +1,8 @@
-"""``jzero tune batch CONFIG --memory-budget GiB``: the largest micro-batch per device whose
-compiled step fits the budget (`jzero.tune`), the accumulation for the configured global batch,
-measured throughput at the top sizes, and the tuned config written under ``--out``."""
+"""``jzero tune lr CONFIG``: the learning-rate range test (`jzero.lrfind`): a suggestion, a plot
+and a config with the lr and its warmup. ``jzero tune batch CONFIG --memory-budget GiB``: the
+largest micro-batch per device whose compiled step fits the budget (`jzero.tune`), the
+accumulation for the configured global batch, measured throughput at the top sizes, and the
+tuned config written under ``--out``."""
 from __future__ import annotations
 
 import argparse
@@ -13,8 +15,16 @@ GiB = 2**30
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    tune = sub.add_parser("tune", help="tune the batch size from compiled memory")
+    tune = sub.add_parser("tune", help="find the learning rate, or the batch size from compiled memory")
     kinds = tune.add_subparsers(dest="what", required=True)
+    lr = kinds.add_parser("lr", help="learning-rate range test: suggestion, plot, tuned config")
+    add_config_arguments(lr)
+    lr.add_argument("--min", type=float, default=1e-7, help="first lr (default 1e-7)")
+    lr.add_argument("--max", type=float, default=1.0, help="last lr (default 1)")
+    lr.add_argument("--steps", type=int, default=100, help="optimizer steps of the sweep (default 100)")
+    lr.add_argument("--out", metavar="DIR", default="tune_lr", help="where lr_find.png, tuned_lr.json and "
+                    "lr_find.json go (default ./tune_lr)")
+    lr.set_defaults(func=run_lr)
     batch = kinds.add_parser("batch", help="largest micro-batch per device under a memory budget (no OOM trials)")
     add_config_arguments(batch)
     batch.add_argument("--memory-budget", type=float, metavar="GiB",
@@ -23,6 +33,29 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        help="measure samples/s at the K largest fitting micro-batches (runs them; 0: none)")
     batch.add_argument("--out", metavar="DIR", help="write tuned_batch.json (the config) and tune_batch.json here")
     batch.set_defaults(func=run_batch)
+
+
+def run_lr(args: argparse.Namespace) -> int:
+    raw = config_on_devices(args)
+    from jzero import lrfind
+
+    test = lrfind.range_test(raw, args.min, args.max, args.steps)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    warmup = max(1, args.steps // 10)
+    (out / "tuned_lr.json").write_text(json.dumps(test.config(raw, warmup), indent=2))
+    (out / "lr_find.json").write_text(json.dumps({"suggestion": test.suggestion, "diverged_at": test.diverged_at,
+                                                    "lrs": test.lrs, "losses": test.losses,
+                                                    "smoothed": test.smoothed}, indent=2))
+    try:
+        lrfind.plot(test, str(out / "lr_find.png"), f"jzero tune lr: {Path(args.config).name}")
+    except ImportError:
+        print("jzero: no plot: lr_find.png needs matplotlib (pip install 'jzero[plot]')")
+    stopped = f", stopped at lr {test.diverged_at:.2e} (diverging)" if test.diverged_at is not None else ""
+    print(f"jzero: suggested lr {test.suggestion:.3e} (steepest descent of the smoothed loss over "
+          f"{len(test.lrs)} steps{stopped}); wrote {out / 'tuned_lr.json'} (WarmupLR over {warmup} steps) "
+          f"and {out / 'lr_find.png'}")
+    return 0
 
 
 def run_batch(args: argparse.Namespace) -> int:
