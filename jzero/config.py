@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from jzero import elastic
+from jzero.elastic import micro_batch, v01, v02
 from jzero.typed import AUTO, ConfigError, ConfigWarning, auto_field, parse, read_json, to_dict, unknown
 
 __all__ = ["AUTO", "ConfigError", "ConfigWarning", "read_json", "unknown"]  # re-exported: errors live here
@@ -346,14 +346,14 @@ def elastic_batch(e: ElasticityConfig, given: tuple, dp: int) -> tuple[int, int,
                           "gradient_accumulation_steps itself; remove them or set "
                           "elasticity.ignore_non_elastic_batch_info: true")
     if e.version == 0.1:
-        train, valid = elastic.v01(sizes, e.max_train_batch_size, e.min_gpus, e.max_gpus, e.prefer_larger_batch)
+        train, valid = v01(sizes, e.max_train_batch_size, e.min_gpus, e.max_gpus, e.prefer_larger_batch)
     else:
-        train, valid = elastic.v02(sizes, e.max_train_batch_size, dp, e.min_gpus, e.max_gpus, e.prefer_larger_batch,
+        train, valid = v02(sizes, e.max_train_batch_size, dp, e.min_gpus, e.max_gpus, e.prefer_larger_batch,
                                    e.num_gpus_per_node, e.model_parallel_size)
     if dp not in valid:
         raise ConfigError(f"elasticity: a data-parallel size of {dp} is not valid for global batch {train}; "
                           f"valid sizes: {', '.join(map(str, valid))}")
-    micro = elastic.micro_batch(train, dp, sizes)
+    micro = micro_batch(train, dp, sizes)
     return train, micro, train // (micro * dp)
 
 
