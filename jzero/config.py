@@ -196,7 +196,7 @@ class ModelConfig:
     image_size: int | None = None  # vit, clip: square images of this many pixels a side
     patch_size: int | None = None
     channels: int | None = None
-    num_classes: int | None = None  # vit
+    num_classes: int | None = None  # vit, mlp
     pool: Literal["cls", "mean"] | None = None
     embed_dim: int | None = None  # clip: the shared image-text embedding
     text_len: int | None = None  # clip: caption length in bytes

@@ -4,11 +4,17 @@ config's own model, data and ZeRO stage.
 The lr grows exponentially from ``min_lr`` to ``max_lr`` over ``steps`` optimizer steps (the
 config's scheduler is set aside; its optimizer and everything else run as configured), the
 training loss is smoothed by a debiased exponential moving average, and the test stops early
-once the smoothed loss passes ``diverge`` x its best (or is not finite). The suggestion is the
-lr where the smoothed loss falls fastest per unit of log-lr (steepest descent of the curve,
+once the smoothed loss passes ``diverge`` x its best (or is not finite). The suggestion is
+found where the smoothed loss falls fastest per unit of log-lr (steepest descent of the curve,
 Lightning's rule): below it the loss barely moves, past it the descent slows and turns into
-divergence, so it is the largest lr still in the region of fast, stable progress. Warmup for
-the written config: DeepSpeed's WarmupLR to the suggestion over ``steps / 10`` steps.
+divergence, so it is the largest lr still in the region of fast, stable progress. A point of
+the smoothed curve does not describe the lr logged beside it, though: each loss is measured
+before its step's update, and the moving average's weights have a mean age of beta / (1 - beta)
+steps, so the curve runs ``delay(beta)`` steps behind the sweep (9 + 1 at beta 0.9: a factor 5
+in lr for 100 steps over 1e-7..1). The suggestion is the lr of the step the steepest point
+describes; Lightning's rule without this correction lands 5x high, past the best lr of a
+200-step run (`benchmarks/lr_sweep.py`). Warmup for the written config: DeepSpeed's WarmupLR
+to the suggestion over ``steps / 10`` steps.
 """
 from __future__ import annotations
 
@@ -51,14 +57,22 @@ def schedule(min_lr: float, max_lr: float, steps: int) -> list[float]:
     return [min_lr * (max_lr / min_lr) ** (i / (steps - 1)) for i in range(steps)]
 
 
-def suggest(lrs: list[float], smoothed: list[float], skip: int = 3) -> float:
-    """The lr of the steepest descent of the smoothed loss per unit of log-lr (the first and
-    last ``skip`` points, where the average is least settled, left out)."""
+def delay(beta: float) -> int:
+    """Steps the smoothed loss runs behind the lr: one (a loss is measured before its step's
+    update) plus the mean age of the moving average's weights, beta / (1 - beta)."""
+    return 1 + round(beta / (1 - beta))
+
+
+def suggest(lrs: list[float], smoothed: list[float], beta: float = 0.9, skip: int = 3) -> float:
+    """The lr the steepest descent of the smoothed loss per unit of log-lr describes: the lr
+    `delay` steps before that point (the first and last ``skip`` points, where the average is
+    least settled, left out of the search)."""
     if len(lrs) < 2 * skip + 2:
         raise ConfigError(f"jzero tune lr: the loss diverged after {len(lrs)} steps, too early to suggest an lr; "
                           "lower --max or --min")
     slopes = np.gradient(np.asarray(smoothed), np.log(np.asarray(lrs)))
-    return float(lrs[skip + int(np.argmin(slopes[skip:len(lrs) - skip]))])
+    steepest = skip + int(np.argmin(slopes[skip:len(lrs) - skip]))
+    return float(lrs[max(0, steepest - delay(beta))])
 
 
 def range_test(raw: dict[str, Any], min_lr: float = 1e-7, max_lr: float = 1.0, steps: int = 100,
@@ -105,7 +119,7 @@ def run(step: Any, lrs: list[float], beta: float = 0.9, diverge: float = 4.0) ->
             out.diverged_at = lr
             break
     usable = len(out.lrs) - (1 if out.diverged_at is not None else 0)
-    out.suggestion = suggest(out.lrs[:usable], out.smoothed[:usable])
+    out.suggestion = suggest(out.lrs[:usable], out.smoothed[:usable], beta)
     return out
 
 

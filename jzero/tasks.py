@@ -1,7 +1,7 @@
 """Tasks: what `jzero train` needs beyond a model: its data (global batches as a pure function
 of seed, split and step, each process building its rows), its held-out metrics and a preview.
 One task per reference model (`TASKS`, keyed by ``jzero.model.name``): language modelling for
-the GPT, image classification for the ViT, contrastive image-text training for CLIP. The
+the GPT, image classification for the ViT and the MLP, contrastive image-text training for CLIP. The
 engine and the CLI see only `Task`.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding
 
 from jzero import data, images, models
 from jzero.config import Config, ConfigError
-from jzero.models import clip, gpt, vit
+from jzero.models import clip, gpt
 from jzero.state import TrainState, device_params
 
 SAMPLE_PROMPT = b"def "
@@ -82,10 +82,9 @@ def classification(config: Config, model: models.Model) -> Task:
     if len(found.class_names) > cfg.num_classes:
         raise ConfigError(f"jzero.model.num_classes: {cfg.num_classes}, but {found.source} has "
                           f"{len(found.class_names)} classes")
-    logits = jax.jit(lambda params, x: vit.ViT(cfg).apply({"params": params}, x))
 
     def predict(state: TrainState) -> np.ndarray:
-        return np.asarray(jnp.argmax(logits(device_params(state), found.heldout), axis=-1))
+        return np.asarray(jnp.argmax(model.forward(device_params(state), found.heldout), axis=-1))
 
     def evaluate(state: TrainState) -> dict[str, float]:
         return {"eval_accuracy": float(np.mean(predict(state) == found.heldout_labels))}
@@ -147,4 +146,4 @@ def contrastive(config: Config, model: models.Model) -> Task:
 
 
 TASKS: dict[str, Callable[[Config, models.Model], Task]] = {
-    "gpt": language, "vit": classification, "clip": contrastive}
+    "gpt": language, "vit": classification, "mlp": classification, "clip": contrastive}

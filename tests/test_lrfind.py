@@ -64,6 +64,31 @@ def test_cli_writes_the_plot_the_curve_and_a_config_with_the_lr(tmp_path):
     assert jax.numpy.isfinite(curve["losses"][0])
 
 
+SHRINK = {"d_model": 32, "d_ff": 64}
+
+
+@pytest.mark.slow  # five compiles and sweeps: about a minute on 2 cores
+@pytest.mark.parametrize("config,stage", [("gpt_tiny", 3), ("gpt_moe_tiny", 2), ("vit_digits", 1),
+                                          ("clip_digits", 0), ("mlp_digits", 3)])
+def test_range_test_sweeps_every_task_and_stage_to_breaking_point(config, stage):
+    """The sweep reaches the optimizer at every stage and on every task: from a harmless lr to
+    1e3, Adam's steps grow with the lr until the model breaks. A cross-entropy then diverges
+    (the test stops early, the suggestion below the stop); CLIP's contrastive loss cannot pass
+    log(batch), the loss of embeddings that no longer tell examples apart, and ends there."""
+    raw = json.load(open(f"configs/{config}.json"))
+    raw["zero_optimization"] = {"stage": stage}
+    raw["jzero"]["model"].update(SHRINK if config != "mlp_digits" else {"d_model": 32})
+    test = lrfind.range_test(raw, min_lr=1e-4, max_lr=1e3, steps=24)
+    assert np.isfinite(test.losses[0]) and 1e-4 <= test.suggestion <= 1e3
+    if config == "clip_digits":
+        assert test.diverged_at is None
+        np.testing.assert_allclose(test.losses[-1], np.log(raw["train_batch_size"]), rtol=1e-3)
+        assert abs(test.losses[0] - np.log(raw["train_batch_size"])) > 0.1
+    else:
+        assert test.diverged_at is not None and test.suggestion < test.diverged_at < 1e3
+        assert min(test.smoothed) < test.smoothed[0]
+
+
 @pytest.mark.slow  # a range test and a short run: about 40 s
 def test_train_auto_lr_runs_the_range_test_and_trains_with_its_choice(tmp_path):
     proc = jzero_cli("train", "configs/gpt_tiny.json", "--auto-lr", "12", "--out", str(tmp_path), "--steps", "4",

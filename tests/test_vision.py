@@ -1,4 +1,4 @@
-"""The vision tasks (`jzero.tasks`): ViT and CLIP equal a plain single-device jit + optax loop
+"""The vision tasks (`jzero.tasks`): ViT, the plain MLP and CLIP equal a plain single-device jit + optax loop
 at every stage (CLIP's contrastive loss over the gathered global batch included), their data's
 bad input is one line naming the file or key, and `jzero train` / resume / export / autotune /
 estimate run them."""
@@ -11,7 +11,7 @@ import pytest
 
 import jzero
 from jzero.config import ConfigError
-from jzero.models import clip, vit
+from jzero.models import clip, mlp, vit
 from jzero.step import eval_step
 
 from helpers import EPS, LR, WD, jzero_cli, plain_loop, read_csv
@@ -19,17 +19,18 @@ from helpers import EPS, LR, WD, jzero_cli, plain_loop, read_csv
 STEPS, BATCH = 10, 32
 SPECS = {"vit": vit.ViTConfig(d_model=32, n_layers=2, n_heads=2, d_ff=64),
          "clip": clip.CLIPConfig(d_model=32, n_layers=2, text_layers=2, n_heads=2, d_ff=64, text_len=8,
-                                 embed_dim=16)}
-MAKE = {"vit": vit.make, "clip": clip.make}
+                                 embed_dim=16),
+         "mlp": mlp.MLPConfig(d_model=32, n_layers=2, d_ff=64)}
+MAKE = {"vit": vit.make, "clip": clip.make, "mlp": mlp.make}
 
 
 def batches(name):
-    """STEPS batches; the ViT's repeat one batch (the loss must fall within ten steps)."""
+    """STEPS batches; the classifiers' repeat one batch (the loss must fall within ten steps)."""
     rng = np.random.default_rng(0)
     out = []
     for _ in range(STEPS):
         images = rng.random((BATCH, 8, 8, 1), np.float32)
-        if name == "vit":
+        if name != "clip":
             out.append(out[0] if out else {"images": images, "labels": np.arange(BATCH, dtype=np.int32) % 10})
         else:  # captions that depend on the image, so the pairs are learnable
             texts = np.clip((images.reshape(BATCH, -1)[:, :8] * 9).astype(np.int32) + 1, 1, 255)
@@ -57,8 +58,9 @@ def reference(name, ndev, accum):
 # accumulations (the default suite's budget).
 # The rest of the matrix (stages 0-3 x 8 and 2 devices x accumulation 1 and 4) runs in the slow suite.
 CASES = ([("vit", s, n, a) for s in (0, 1, 2, 3) for n, a in ((8, 1), (2, 4))]
-         + [("clip", 0, 8, 1), ("clip", 1, 8, 4), ("clip", 2, 2, 4), ("clip", 3, 2, 1)])
-MATRIX = [(m, s, n, a) for m in ("vit", "clip") for s in (0, 1, 2, 3) for n in (8, 2) for a in (1, 4)]
+         + [("clip", 0, 8, 1), ("clip", 1, 8, 4), ("clip", 2, 2, 4), ("clip", 3, 2, 1)]
+         + [("mlp", 1, 8, 4), ("mlp", 3, 2, 1)])
+MATRIX = [(m, s, n, a) for m in ("vit", "clip", "mlp") for s in (0, 1, 2, 3) for n in (8, 2) for a in (1, 4)]
 ALL = [pytest.param(*case, id="{}-zero{}-{}dev-accum{}".format(*case),
                     marks=() if case in CASES else pytest.mark.slow) for case in MATRIX]
 
@@ -154,8 +156,8 @@ VISION_FAST = ["--steps", "6", "--devices", "2", "--set", "jzero.train.eval_inte
                "--set", "scheduler.params.warmup_num_steps=1"]
 
 
-@pytest.mark.slow  # two short runs and their resumes: about a minute on 2 cores
-@pytest.mark.parametrize("config,columns", [("vit_digits", ["eval_accuracy"]),
+@pytest.mark.slow  # three short runs and their resumes: about a minute on 2 cores
+@pytest.mark.parametrize("config,columns", [("vit_digits", ["eval_accuracy"]), ("mlp_digits", ["eval_accuracy"]),
                                             ("clip_digits", ["zeroshot_accuracy", "i2t_recall1", "t2i_recall1"])])
 def test_cli_trains_vision_configs_resumes_and_exports(tmp_path, config, columns):
     out = tmp_path / config

@@ -8,10 +8,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from jzero.config import Config, unknown
-from jzero.models import clip, gpt, vit
+from jzero.models import clip, gpt, mlp, vit
 from jzero.models.base import Model
 
-MODELS: dict[str, Callable[[Config], Model]] = {"gpt": gpt.build, "vit": vit.build, "clip": clip.build}
+MODELS: dict[str, Callable[[Config], Model]] = {"gpt": gpt.build, "vit": vit.build, "clip": clip.build,
+                                              "mlp": mlp.build}
 
 
 def build(config: Config) -> Model:

@@ -25,6 +25,7 @@ class Model:
     flops: Callable[[int], dict[str, float]]  # batch size -> FLOPs of one step by part, "total" included
     tokens_per_example: int
     step_metrics: tuple[str, ...] = ()  # scalars of the loss's aux dict shown and logged every step
+    forward: Callable[[Any, Any], Any] | None = None  # (params, inputs) -> outputs, for held-out metrics
 
 
 def from_section(section: ModelConfig, sizes: dict[str, Any], remat: str, positive: tuple[str, ...]) -> Any:
@@ -45,6 +46,6 @@ def from_section(section: ModelConfig, sizes: dict[str, Any], remat: str, positi
     for key in positive:
         if getattr(cfg, key) < 1:
             raise ConfigError(f"jzero.model.{key}: must be >= 1, got {getattr(cfg, key)}")
-    if cfg.d_model % cfg.n_heads:
+    if hasattr(cfg, "n_heads") and cfg.d_model % cfg.n_heads:
         raise ConfigError(f"jzero.model.n_heads: {cfg.n_heads} does not divide d_model {cfg.d_model}")
     return cfg

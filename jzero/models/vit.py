@@ -114,27 +114,35 @@ def image_spec(cfg: Any, batch_size: int) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct((batch_size, cfg.image_size, cfg.image_size, cfg.channels), jnp.float32)
 
 
-def make(cfg: ViTConfig) -> tuple[Any, Any]:
-    """(init_fn, loss_fn); batches are {"images": (B, H, W, C) float32, "labels": (B,) int32}."""
+def classifier(module: nn.Module, cfg: Any) -> tuple[Any, Any]:
+    """(init_fn, loss_fn) of a Linen ``module`` mapping images to class logits; batches are
+    {"images": (B, H, W, C) float32, "labels": (B,) int32}."""
     def loss(logits, batch):
         with jax.named_scope("loss"):
             return optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
 
-    return from_linen(ViT(cfg), image_spec(cfg, 1), loss, inputs=lambda batch: batch["images"])
+    return from_linen(module, image_spec(cfg, 1), loss, inputs=lambda batch: batch["images"])
+
+
+def classification_spec(cfg: Any, batch_size: int) -> dict[str, jax.ShapeDtypeStruct]:
+    return {"images": image_spec(cfg, batch_size), "labels": jax.ShapeDtypeStruct((batch_size,), jnp.int32)}
+
+
+def example_images(cfg: Any, batch_size: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return {"images": rng.random(image_spec(cfg, batch_size).shape, np.float32),
+            "labels": rng.integers(0, cfg.num_classes, batch_size).astype(np.int32)}
+
+
+def make(cfg: ViTConfig) -> tuple[Any, Any]:
+    return classifier(ViT(cfg), cfg)
 
 
 def build(config: Config) -> Model:
     cfg = vit_config(config)
     init_fn, loss_fn = make(cfg)
-
-    def batch_spec(batch_size: int) -> dict[str, jax.ShapeDtypeStruct]:
-        return {"images": image_spec(cfg, batch_size), "labels": jax.ShapeDtypeStruct((batch_size,), jnp.int32)}
-
-    def example_batch(batch_size: int) -> dict[str, np.ndarray]:
-        rng = np.random.default_rng(0)
-        return {"images": rng.random(batch_spec(batch_size)["images"].shape, np.float32),
-                "labels": rng.integers(0, cfg.num_classes, batch_size).astype(np.int32)}
-
-    return Model(name="vit", spec=cfg, init_fn=init_fn, loss_fn=loss_fn, batch_spec=batch_spec,
-                 example_batch=example_batch, tokens_per_example=tokens_per_example(cfg),
-                 flops=lambda batch_size: model_flops(cfg, batch_size))
+    return Model(name="vit", spec=cfg, init_fn=init_fn, loss_fn=loss_fn,
+                 batch_spec=lambda batch_size: classification_spec(cfg, batch_size),
+                 example_batch=lambda batch_size: example_images(cfg, batch_size),
+                 tokens_per_example=tokens_per_example(cfg), flops=lambda batch_size: model_flops(cfg, batch_size),
+                 forward=jax.jit(lambda params, x: ViT(cfg).apply({"params": params}, x)))
