@@ -32,7 +32,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental.compute_on import compute_on
 
-from jzero import precision, treepath
+from jzero import distributed, precision, treepath
 from jzero import state as state_lib
 from jzero.config import Config, ConfigError
 from jzero.sharding import HOST_KINDS
@@ -208,10 +208,11 @@ class Checkpointer:
             raise CheckpointError(f"{self.directory} step {step}: {e}") from None
 
     def _read_record(self, step: int) -> dict[str, Any]:
+        if step not in self.all_steps():
+            raise CheckpointError(f"{self.directory}: no checkpoint at step {step}; have {self.all_steps()}")
         try:
-            record = self._manager.restore(step, args=ocp.args.Composite(**{RECORD: ocp.args.JsonRestore()}))[RECORD]
-        except FileNotFoundError:
-            raise CheckpointError(f"{self.directory}: no checkpoint at step {step}; have {self.all_steps()}") from None
+            record = ocp.JsonCheckpointHandler().restore(self.directory / str(step) / RECORD,
+                                                         args=ocp.args.JsonRestore())
         except Exception as e:
             raise _Unreadable(f"its record is unreadable ({_first_line(e)})") from None
         if not isinstance(record, dict) or record.get("format") != FORMAT or "leaves" not in record:
@@ -222,14 +223,16 @@ class Checkpointer:
         """``target`` (a TrainState for the current mesh and stage; abstract is fine) filled with
         the checkpoint's values, resharded onto ``target``'s layout.
 
-        Without ``step``: the newest readable step; unreadable newer steps are skipped with a
-        `CheckpointWarning`. A model that does not fit raises `CheckpointMismatchError` naming the
-        first differing leaf.
+        Without ``step``: the newest step every process can read, agreed between processes (each
+        may see the folder differently: a damaged file, a missing step), so all restore the same
+        one; unreadable newer steps are skipped with a `CheckpointWarning` saying which process
+        found what. A model that does not fit raises `CheckpointMismatchError` naming the first
+        differing leaf.
         """
-        steps = [step] if step is not None else self.all_steps()[::-1]
+        steps, failures = ([step], []) if step is not None else self.agreed_steps()
         if not steps:
-            raise CheckpointError(f"{self.directory}: no checkpoint to restore")
-        failures = []
+            raise CheckpointError(f"{self.directory}: no checkpoint to restore"
+                                  + (f" ({'; '.join(failures)})" if failures else ""))
         for s in steps:
             try:
                 restored = self._restore_step(target, s)
@@ -244,7 +247,33 @@ class Checkpointer:
             return restored
         raise CheckpointError(f"{self.directory}: no readable checkpoint ({'; '.join(failures)})")
 
+    def agreed_steps(self) -> tuple[list[int], list[str]]:
+        """(the steps every process lists, newest first; what the others list that some do not)."""
+        listed = distributed.all_gather_json(self.all_steps())
+        common = set(listed[0]).intersection(*listed[1:])
+        missing = [f"step {s}: process {', '.join(str(i) for i, steps in enumerate(listed) if s not in steps)} "
+                   "does not list it" for s in sorted(set().union(*listed) - common, reverse=True)]
+        return sorted(common, reverse=True), missing
+
     def _restore_step(self, target: Any, step: int) -> Any:
+        """Load ``step`` (each process its part) and check its checksums (a collective); each
+        verdict is agreed between processes, so all of them accept or skip the same step."""
+        try:
+            loaded, problem = self._load_step(target, step), None
+        except _Unreadable as e:
+            loaded, problem = None, str(e)
+        _agree(problem)
+        record, wanted, named = loaded
+        sums = jax.device_get(_checksums([named[n] for n in wanted]))
+        _agree(next((f"{name} does not match its checksum (a file was edited or damaged)"
+                     for name, value in zip(wanted, sums, strict=True)
+                     if int(value) != record["leaves"][name]["checksum"]), None))
+        return _assemble(target, {n: named[n].astype(wanted[n].dtype) for n in wanted},
+                         any(n.startswith("loss_scale/") for n in wanted), record.get("rng_impl"))
+
+    def _load_step(self, target: Any, step: int) -> tuple[dict[str, Any], dict[str, Any], dict[str, jax.Array]]:
+        """(record, the wanted leaves of ``target`` by name, the loaded arrays by name): this
+        process's reads only, no collective."""
         record = self._read_record(step)
         saved = {name: tuple(leaf["shape"]) for name, leaf in record["leaves"].items()}
         template = _saved_tree(target)
@@ -258,13 +287,7 @@ class Checkpointer:
         abstract = treepath.nest({n: jax.ShapeDtypeStruct(x.shape, np.dtype(record["leaves"][n]["dtype"]),
                                                           sharding=x.sharding) for n, x in wanted.items()})
         named = treepath.named_leaves(self._load(step, abstract, ocp.checkpoint_utils.construct_restore_args(abstract)))
-        sums = jax.device_get(_checksums([named[n] for n in wanted]))
-        for name, value in zip(wanted, sums, strict=True):
-            if int(value) != record["leaves"][name]["checksum"]:
-                raise _Unreadable(f"{name} does not match its checksum (a file was edited or damaged)")
-        return _assemble(target, {n: named[n].astype(wanted[n].dtype) for n in wanted}, keep_scale,
-                         record.get("rng_impl"))
-
+        return record, wanted, named
 
     def read_array(self, step: int, name: str) -> np.ndarray:
         """One saved leaf (e.g. ``params/blocks/stacked/mlp/fc/kernel``) as a host numpy array,
@@ -282,11 +305,25 @@ class Checkpointer:
         return value
 
     def _load(self, step: int, item: Any, restore_args: Any, partial: bool = False) -> Any:
+        handler = ocp.PyTreeCheckpointHandler()
         try:
-            return self._manager.restore(step, args=ocp.args.Composite(**{STATE: ocp.args.PyTreeRestore(
-                item=item, restore_args=restore_args, partial_restore=partial)}))[STATE]
+            return handler.restore(self.directory / str(step) / STATE, args=ocp.args.PyTreeRestore(
+                item=item, restore_args=restore_args, partial_restore=partial))
         except Exception as e:
-            raise _Unreadable(f"its arrays are unreadable ({_first_line(e)})") from None
+            reason = _first_line(e).split(" See full TensorStore details")[0]  # the rest is a repr
+            raise _Unreadable(f"its arrays are unreadable ({reason})") from None
+        finally:
+            handler.close()
+
+
+def _agree(problem: str | None) -> None:
+    """Raise `_Unreadable` on every process when any process found ``problem`` (a collective),
+    naming the processes when there are several."""
+    problems = distributed.all_gather_json(problem)
+    if len(problems) == 1 and problem:
+        raise _Unreadable(problem)
+    if any(problems):
+        raise _Unreadable("; ".join(f"process {i}: {p}" for i, p in enumerate(problems) if p))
 
 
 def _assemble(target: Any, named: dict[str, jax.Array], has_scale: bool, rng_impl: str | None) -> Any:

@@ -232,6 +232,19 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
+class WatchdogConfig:
+    """``jzero.watchdog`` (`jzero.watchdog`): a process whose phase of a step (data, compute,
+    evaluation, checkpoint) outlasts ``step_timeout`` seconds (default ``"auto"``: 20 x the
+    slowest recent step, at least ``min_timeout``) exits naming itself and the process holding the
+    run up; multi-process start-up and its first barrier give up after ``startup_timeout``."""
+
+    enabled: bool = True
+    step_timeout: float | None = auto_field(None)
+    min_timeout: float = 300.0
+    startup_timeout: float = 300.0
+
+
+@dataclass(frozen=True)
 class JzeroConfig:
     """jzero's own section (DeepSpeed has no such keys)."""
 
@@ -244,6 +257,7 @@ class JzeroConfig:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
 
 
 @dataclass(frozen=True, eq=False)

@@ -9,13 +9,31 @@ multi-controller model); ZeRO's collectives then span all processes. Settings, f
 
 Nothing found (or one process) = a single-process run; nothing is started. On CPU the
 collectives between processes go through gloo. Must run before any JAX computation.
+
+Start-up never waits forever: when a process does not join within ``jzero.watchdog.
+startup_timeout`` seconds, `initialize` ends this process with one line naming the coordinator
+and the process ids that never joined (from their start-up reports, `jzero.progress`: a process
+writes one before it connects), and `barrier` raises `StartupError` naming the processes that did
+not arrive. JAX's own initialisation timeout aborts the process without saying who was missing,
+so it is set past ours.
 """
 from __future__ import annotations
 
+import json
 import os
+import re
+import socket
+import sys
+import threading
+import time
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
+from jzero import progress
 from jzero.config import ConfigError
+
+EXIT_STARTUP = 75  # as the watchdog's: rerun the same command once every process can start
 
 ENV = {"coordinator": "JZERO_COORDINATOR", "num_processes": "JZERO_NUM_PROCESSES", "process_id": "JZERO_PROCESS_ID"}
 # Variables whose presence means JAX's own cluster detection can initialise (SLURM, Open MPI, TPU).
@@ -68,8 +86,14 @@ def _int(env, key: str, flag: str) -> int | None:
         raise ConfigError(f"{flag} ({ENV[key]}): expected an integer, got {text!r}") from None
 
 
-def initialize(s: Settings) -> None:
-    """Start JAX's multi-process runtime for ``s`` (a no-op for one process)."""
+class StartupError(RuntimeError):
+    """A process did not join the run, or did not reach a barrier, within the start-up timeout."""
+
+
+def initialize(s: Settings, timeout: float = 300.0, reports: Path | None = None) -> None:
+    """Start JAX's multi-process runtime for ``s`` (a no-op for one process), giving up after
+    ``timeout`` seconds with one line naming the processes that never joined (``reports``: the
+    run's progress folder, where this process writes its start-up report first)."""
     if not s.multi_process:
         return
     import jax
@@ -77,9 +101,45 @@ def initialize(s: Settings) -> None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # only used by the CPU backend
     if s.auto_detect:
         jax.distributed.initialize()
-    else:
+        return
+    started = time.time()
+    if reports is not None:
+        progress.write(reports, progress.Report(rank=s.process_id, pid=os.getpid(), host=socket.gethostname(),
+                                                started=started, since=started, updated=started))
+    guard = threading.Timer(timeout, _never_joined, args=(s, timeout, reports, started))
+    guard.daemon = True
+    guard.start()
+    try:
         jax.distributed.initialize(coordinator_address=s.coordinator, num_processes=s.num_processes,
-                                   process_id=s.process_id)
+                                   process_id=s.process_id, initialization_timeout=int(timeout) + 60)
+    finally:
+        guard.cancel()
+
+
+def _never_joined(s: Settings, timeout: float, reports: Path | None, started: float) -> None:
+    """The start-up timer fired: say who is missing, then end the process (the main thread is
+    inside JAX's connect, which cannot be interrupted)."""
+    seen = progress.read_all(reports, since=started - timeout) if reports is not None else {}
+    missing = [i for i in range(s.num_processes) if i not in seen and i != s.process_id]
+    host, _, port = s.coordinator.rpartition(":")
+    if s.process_id != 0 and not _listening(host, int(port)):
+        who = f"process 0 (the coordinator) is not listening at {s.coordinator}"
+    elif reports is not None and missing:
+        who = (f"process {', '.join(map(str, missing))} never joined the coordinator at {s.coordinator} "
+               f"(no start-up report in {reports})")
+    else:
+        who = f"not every process joined the coordinator at {s.coordinator}"
+    print(f"jzero: error: start-up: {who} within {timeout:g} s (jzero.watchdog.startup_timeout); "
+          f"process {s.process_id} gives up", file=sys.stderr, flush=True)
+    os._exit(EXIT_STARTUP)
+
+
+def _listening(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=2):
+            return True
+    except OSError:
+        return False
 
 
 def is_primary() -> bool:
@@ -89,11 +149,42 @@ def is_primary() -> bool:
     return jax.process_index() == 0
 
 
-def barrier(name: str) -> None:
-    """Wait until every process reaches ``name`` (no-op for one process)."""
+def barrier(name: str, timeout: float = 300.0) -> None:
+    """Wait until every process reaches ``name`` (no-op for one process); `StartupError` naming
+    the processes that did not arrive within ``timeout`` seconds."""
     import jax
 
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
+    if jax.process_count() == 1:
+        return
+    from jax._src import distributed as jax_distributed
 
-        multihost_utils.sync_global_devices(name)
+    try:
+        jax_distributed.global_state.client.wait_at_barrier(name, int(timeout * 1000))
+    except Exception as e:
+        found = re.search(r"timed out task names:\s*([\d\s,/a-z:_]*)", str(e))
+        names = found.group(1) if found else ""
+        ids = re.findall(r"task:(\d+)", names) or re.findall(r"\d+", names)
+        who = f"process {', '.join(ids)} did not arrive" if ids else f"not every process arrived ({_first_line(e)})"
+        raise StartupError(f"barrier '{name}': {who} within {timeout:g} s (jzero.watchdog.startup_timeout)") from None
+
+
+def all_gather_json(value: Any) -> list[Any]:
+    """``value`` (small, JSON) from every process, in process order; ``[value]`` for one process.
+    A collective: every process must call it."""
+    import jax
+
+    if jax.process_count() == 1:
+        return [value]
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    data = np.frombuffer(json.dumps(value).encode(), np.uint8)
+    width = int(np.max(multihost_utils.process_allgather(np.array([data.size], np.int32))))
+    padded = np.zeros(width, np.uint8)
+    padded[:data.size] = data
+    rows = np.asarray(multihost_utils.process_allgather(padded))
+    return [json.loads(bytes(row).rstrip(b"\0").decode()) for row in rows]
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]

@@ -20,21 +20,28 @@ from jzero.mesh import make_mesh
 from jzero.monitor import Monitor, RunSummary
 from jzero.state import TrainState, abstract_init, init
 from jzero.step import eval_step, train_step
+from jzero.watchdog import Unwatched, Watchdog
 
 
 class Engine:
     """Builds the task (data and model) and the sharded state for ``config``; `train` runs the loop."""
 
-    def __init__(self, config: Config, checkpointer: Checkpointer | None = None):
-        """With a ``checkpointer`` holding a step, the state is restored from its newest readable
-        step (onto this config's mesh and stage) instead of freshly initialised."""
+    def __init__(self, config: Config, checkpointer: Checkpointer | None = None,
+                 watch: Watchdog | Unwatched | None = None):
+        """With a ``checkpointer`` holding a step, the state is restored from the newest step
+        every process can read (onto this config's mesh and stage) instead of freshly
+        initialised. ``watch`` (`jzero.watchdog`) is told each phase of the restore and of
+        every training step."""
+        self.watch = watch or Unwatched()
         self.task = tasks.build(config)
         self.model = self.task.model
         init_fn, loss_fn = self.model.init_fn, self.model.loss_fn
         mesh = make_mesh(config)
-        self.resumed = checkpointer is not None and checkpointer.latest_step() is not None
+        self.resumed = checkpointer is not None and bool(checkpointer.agreed_steps()[0])
         if self.resumed:
+            self.watch.enter("restore")
             self.state: TrainState = checkpointer.restore(abstract_init(init_fn, config, loss_fn=loss_fn, mesh=mesh))
+            self.watch.pause()
         else:
             self.state = init(init_fn, config, loss_fn=loss_fn, rng=jax.random.key(config.seed), mesh=mesh)
         self.config = self.state.config  # batch rule resolved for the real mesh
@@ -85,6 +92,19 @@ class Engine:
         """The task's preview of the current model (a generated sample, held-out predictions)."""
         return self.task.preview(self.state)
 
+    def _step(self, compiled: Callable, step: int) -> tuple[dict[str, float], float]:
+        """Train step ``step`` + 1 under the watch: (its metrics, its compute seconds)."""
+        t_data = time.perf_counter()
+        self.watch.enter("data", step)
+        batch = self.batch("train", step)
+        self.watch.enter("compute/collective")
+        t = time.perf_counter()
+        self.state, metrics = compiled(self.state, batch)
+        metrics = self._scalars(jax.device_get(metrics))
+        dt = time.perf_counter() - t
+        self.watch.step_done(step + 1, time.perf_counter() - t_data)
+        return metrics, dt
+
     def train(self, steps: int, monitor: Monitor, checkpointer: Checkpointer | None = None,
               should_stop: Callable[[], bool] | None = None) -> RunSummary:
         """Train from the state's current step up to ``steps``; returns what the summary shows.
@@ -92,7 +112,7 @@ class Engine:
         The ``checkpointer`` saves at its interval and once more when the loop ends; the loop ends
         early, after a whole step, when ``should_stop()`` turns true (a signal arrived).
         """
-        cfg, summary = self.config, RunSummary()
+        cfg, summary, watch = self.config, RunSummary(), self.watch
         tokens_per_step = cfg.train_batch_size * self.model.tokens_per_example
         start = summary.steps = int(self.state.step)
         t0 = time.perf_counter()
@@ -105,11 +125,7 @@ class Engine:
         eval_every = cfg.jzero.train.eval_interval
         window_time, window_steps, total_time = 0.0, 0, 0.0
         for step in range(start, steps):
-            batch = self.batch("train", step)
-            t = time.perf_counter()
-            self.state, metrics = compiled(self.state, batch)
-            metrics = self._scalars(jax.device_get(metrics))
-            dt = time.perf_counter() - t
+            metrics, dt = self._step(compiled, step)
             window_time, window_steps, total_time = window_time + dt, window_steps + 1, total_time + dt
             done = step + 1
             tps = window_steps * tokens_per_step / max(window_time, 1e-9)
@@ -119,6 +135,7 @@ class Engine:
             if is_eval or done % cfg.steps_per_print == 0 or summary.stopped:
                 row = {"step": done, **metrics, "tokens_per_s": tps, "eval_loss": None}
                 if is_eval:
+                    watch.enter("evaluation")
                     row.update(self.evaluate())
                     if np.isnan(summary.first_eval_loss):
                         summary.first_eval_loss = row["eval_loss"]
@@ -128,11 +145,15 @@ class Engine:
                 window_time, window_steps = 0.0, 0
             summary.train_loss, summary.steps = metrics["loss"], done
             if checkpointer is not None:
+                watch.enter("checkpoint")
                 checkpointer.save(self.state)
             if summary.stopped:
                 break
         if checkpointer is not None:
+            watch.enter("checkpoint")
             checkpointer.save(self.state, force=True)
+            checkpointer.wait()
+        watch.pause()
         done_steps = summary.steps - start
         summary.tokens_per_s = done_steps * tokens_per_step / max(total_time, 1e-9)
         summary.samples_per_s = done_steps * cfg.train_batch_size / max(total_time, 1e-9)

@@ -206,5 +206,10 @@ def _check_ranges(cfg: Config) -> None:
         _positive(f"jzero.train.{key}", getattr(cfg.jzero.train, key))
     _positive("jzero.checkpoint.interval", cfg.jzero.checkpoint.interval)
     _positive("jzero.checkpoint.max_to_keep", cfg.jzero.checkpoint.max_to_keep)
+    watch = cfg.jzero.watchdog
+    for key in ("step_timeout", "min_timeout", "startup_timeout"):
+        value = getattr(watch, key)
+        if value != AUTO and value is not None and value <= 0:
+            raise ConfigError(f"jzero.watchdog.{key}: must be > 0 seconds, got {value}")
     if not 0 < cfg.jzero.data.heldout_fraction < 1:
         raise ConfigError(f"jzero.data.heldout_fraction: must be in (0, 1), got {cfg.jzero.data.heldout_fraction}")

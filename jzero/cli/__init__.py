@@ -3,12 +3,14 @@
 ``train`` (`jzero.cli.train`), ``launch``, ``estimate``, ``profile``, ``autotune``, ``tune``,
 ``export`` and ``bench``. On a CPU-only host the devices a run asks for (``--devices`` or
 ``jzero.mesh.devices``) are simulated: the XLA flag is set before any JAX backend starts. Bad
-input ends with one line on stderr and exit code 2, Ctrl-C with one line and exit code 130, and
+input ends with one line on stderr and exit code 2, Ctrl-C with one line and exit code 130, a
+process missing at start-up with one line and exit code 75 (as a stalled step does), and
 every warning is one line, ``jzero: warning: ...`` (library users keep Python's warnings).
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import warnings
 from typing import Any
@@ -31,10 +33,16 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"jzero: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    except Exception as e:  # ConfigError, CheckpointError: one line, no traceback
+    except Exception as e:  # ConfigError, CheckpointError, StartupError: one line, no traceback
         from jzero.checkpoint import CheckpointError
         from jzero.config import ConfigError
+        from jzero.distributed import EXIT_STARTUP, StartupError
 
+        if isinstance(e, StartupError):
+            # Straight out: JAX's shutdown barrier at exit would wait for the missing process.
+            print(f"jzero: error: start-up: {e}", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(EXIT_STARTUP)
         if isinstance(e, (ConfigError, CheckpointError)):
             print(f"jzero: error: {e}", file=sys.stderr)
             return EXIT_USAGE

@@ -2,7 +2,10 @@
 
 It resumes from ``OUT/checkpoints`` when that holds a step, saves every
 ``jzero.checkpoint.interval`` steps and at the end, and on SIGTERM/SIGINT finishes the current
-step, saves and exits with 128 + the signal number.
+step, saves and exits with 128 + the signal number. Every process runs a step watchdog
+(`jzero.watchdog`, ``jzero.watchdog``): a process stuck in one phase of a step exits with
+`jzero.watchdog.EXIT_STALLED`, naming itself, the phase and the process that holds the run up;
+stack dumps go to ``OUT/watchdog`` and progress reports to ``OUT/progress``.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from jzero.cli.common import UsageError, add_config_arguments, read_overridden, 
 if TYPE_CHECKING:
     from jzero.checkpoint import Checkpointer
     from jzero.config import Config
+    from jzero.watchdog import Unwatched, Watchdog
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -40,7 +44,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jzero import distributed, xla_flags
+    from jzero import distributed, progress, xla_flags
     from jzero.resolve import load_config
 
     raw = read_overridden(args.config, args.set)
@@ -57,7 +61,8 @@ def run(args: argparse.Namespace) -> int:
     # Before any JAX backend starts: simulated devices, XLA flags, the multi-process runtime.
     simulate_devices(_local_devices(devices, setting.num_processes) if isinstance(devices, int) else None)
     flags = xla_flags.apply(config)
-    distributed.initialize(setting)
+    startup = config.jzero.watchdog.startup_timeout
+    distributed.initialize(setting, startup, progress.folder(args.out))
     if auto_lr:
         from jzero import lrfind
 
@@ -69,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"jzero: --auto-lr: the lr range test ({len(test.lrs)} steps, {time.perf_counter() - t0:.0f} s) "
                   f"suggests lr {test.suggestion:.3e}; training with it")
 
+    from jzero import watchdog
     from jzero.checkpoint import Checkpointer
 
     out = Path(args.out)
@@ -77,11 +83,12 @@ def run(args: argparse.Namespace) -> int:
         aside = out / f"checkpoints.replaced-{time.strftime('%Y%m%d-%H%M%S')}"
         checkpoints.rename(aside)
         print(f"jzero: --no-resume: moved the earlier checkpoints to {aside}")
-    distributed.barrier("jzero-no-resume")
+    distributed.barrier("jzero-start", startup)
     ckpt_cfg = config.jzero.checkpoint
     checkpointer = Checkpointer(checkpoints, config, max_to_keep=ckpt_cfg.max_to_keep, async_save=ckpt_cfg.async_save)
     try:
-        return _train(config, out, checkpointer, flags, args.peak_tflops)
+        with watchdog.from_config(config, out) as watch:
+            return _train(config, out, checkpointer, watch, flags, args.peak_tflops)
     finally:
         checkpointer.close()
 
@@ -108,7 +115,7 @@ def _local_devices(total: int, num_processes: int) -> int:
     return total // num_processes
 
 
-def _train(config: Config, out: Path, checkpointer: Checkpointer, flags: list[str],
+def _train(config: Config, out: Path, checkpointer: Checkpointer, watch: Watchdog | Unwatched, flags: list[str],
            peak_tflops: float | None = None) -> int:
     import jax
     from rich.markup import escape
@@ -118,7 +125,7 @@ def _train(config: Config, out: Path, checkpointer: Checkpointer, flags: list[st
     from jzero.monitor import Monitor
 
     say = print if distributed.is_primary() else _silent
-    engine = Engine(config, checkpointer)
+    engine = Engine(config, checkpointer, watch)
     config = engine.config
     steps, start = config.jzero.train.steps, int(engine.state.step)
     if engine.resumed:
@@ -136,7 +143,6 @@ def _train(config: Config, out: Path, checkpointer: Checkpointer, flags: list[st
             summary = engine.train(steps, monitor, checkpointer, should_stop=stop.requested)
         finally:
             monitor.close()
-        checkpointer.wait()
     if summary.stopped:
         say(f"jzero: {signal.Signals(stop.signum).name} received: saved step {summary.steps} in "
             f"{checkpointer.directory}; run the same command to resume", file=sys.stderr)
