@@ -18,7 +18,8 @@ programs then, the first checkpoint sets up its writer) it gets at least ``min_t
 clock restarts at each phase, so a long evaluation or checkpoint is judged on its own.
 
 `Fault` is for tests only: ``JZERO_FAULT=rank:phase:step:seconds`` makes that rank sleep on
-entering that phase of that step, so a stall can be produced end to end.
+entering that phase of that step (``start-up``: before the first barrier, step 1), so a stall
+can be produced end to end.
 """
 from __future__ import annotations
 
@@ -68,6 +69,11 @@ class Fault:
         if phase not in progress.PHASES:
             raise ValueError(f"{FAULT_ENV}: unknown phase {phase!r}; valid: {', '.join(progress.PHASES)}")
         return fault
+
+    def hit(self, rank: int, phase: str, step: int) -> None:
+        """Sleep when this is the fault's rank, phase and step."""
+        if (self.rank, self.phase, self.step) == (rank, phase, step):
+            time.sleep(self.seconds)
 
 
 def auto_timeout(step_times: list[float], floor: float) -> float:
@@ -120,9 +126,8 @@ class Watchdog:
             self.report = replace(self.report, step=done, phase=phase, since=now)
             self.first, self.watching = phase not in self.seen, True
             self.seen.add(phase)
-        if self.fault is not None and (self.fault.rank, self.fault.phase, self.fault.step) == (self.rank, phase,
-                                                                                              done + 1):
-            time.sleep(self.fault.seconds)
+        if self.fault is not None:
+            self.fault.hit(self.rank, phase, done + 1)
 
     def pause(self) -> None:
         """Stop judging until the next `enter` (a compile, the end of the run)."""

@@ -241,3 +241,14 @@ def test_a_checkpoint_damaged_in_one_process_view_makes_both_fall_back(tmp_path,
         assert "restored step 2 because newer checkpoints are unreadable (step 4: process 1: its arrays are " \
                "unreadable" in stderr, (rank, stderr[-2000:])
     assert losses(out) == pytest.approx(reference[:4], rel=1e-5)  # steps 3, 4 retrained from step 2
+
+
+@pytest.mark.slow
+def test_a_process_that_never_reaches_the_first_barrier_is_named(tmp_path):
+    """Both join the coordinator; process 1 then hangs before the start barrier."""
+    results = by_hand([tmp_path / "run"] * 2, tmp_path, "--set", "jzero.watchdog.startup_timeout=10",
+                      env={"JZERO_FAULT": "1:start-up:1:600"}, timeout=120)
+    code, stderr, _ = results[0]
+    assert code == watchdog.EXIT_STALLED, stderr[-2000:]
+    assert "jzero: error: start-up: barrier 'jzero-start': process 1 did not arrive within 10 s" in stderr, \
+        stderr[-2000:]

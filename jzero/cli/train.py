@@ -74,6 +74,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"jzero: --auto-lr: the lr range test ({len(test.lrs)} steps, {time.perf_counter() - t0:.0f} s) "
                   f"suggests lr {test.suggestion:.3e}; training with it")
 
+    import jax
+
     from jzero import watchdog
     from jzero.checkpoint import Checkpointer
 
@@ -83,6 +85,9 @@ def run(args: argparse.Namespace) -> int:
         aside = out / f"checkpoints.replaced-{time.strftime('%Y%m%d-%H%M%S')}"
         checkpoints.rename(aside)
         print(f"jzero: --no-resume: moved the earlier checkpoints to {aside}")
+    fault = watchdog.Fault.from_env()
+    if fault is not None:
+        fault.hit(jax.process_index(), "start-up", 1)
     distributed.barrier("jzero-start", startup)
     ckpt_cfg = config.jzero.checkpoint
     checkpointer = Checkpointer(checkpoints, config, max_to_keep=ckpt_cfg.max_to_keep, async_save=ckpt_cfg.async_save)
