@@ -3,14 +3,15 @@
 PyTorch Lightning's ``scale_batch_size`` grows the batch until a step runs out of memory. Here
 each size's training step is compiled ahead of time on abstract shapes (`jzero.estimate`) and
 its per-device peak read from the executable, so no size is ever allocated or run to find the
-limit: the micro-batch doubles until the peak passes the budget, then a binary search finds
-the largest that fits (the peak grows with the micro-batch). The configured global batch is
-kept: the accumulation becomes ``train_batch_size / (micro x devices)``, with the micro-batch
+limit: the guesses follow the line of the peaks compiled so far (the peak is nearly affine in
+the micro-batch), with bisection as the fallback, so a search takes a handful of compiles. The
+configured global batch is kept: the accumulation becomes ``train_batch_size / (micro x devices)``, with the micro-batch
 lowered to the largest size that divides it when the largest fitting one does not.
 """
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +22,7 @@ from jzero.estimate import compile_step
 from jzero.resolve import load_config
 
 MAX_MICRO = 1 << 16
+REACH = 64  # a guess is at most this many times the largest size known to fit
 
 
 @dataclass
@@ -63,26 +65,18 @@ def samples_per_s(raw: dict[str, Any], micro: int, steps: int = 3) -> float:
 
 
 def largest_micro_batch(raw: dict[str, Any], budget: int) -> BatchSearch:
-    """Double, then bisect, over compiled peaks; then fit the configured global batch."""
+    """Search the compiled peaks (`boundary`); then fit the configured global batch."""
     if budget <= 0:
         raise ConfigError(f"--memory-budget: must be > 0 bytes, got {budget}")
     config = load_config(raw)
     devices = config.dp_size
     search = BatchSearch(budget=budget, devices=devices)
 
-    def fits(m: int) -> bool:
+    def peak(m: int) -> int:
         search.peaks[m] = search.peaks.get(m) or peak_at(raw, m)
-        return search.peaks[m] <= budget
+        return search.peaks[m]
 
-    lo, hi = 0, 1
-    while hi <= MAX_MICRO and fits(hi):
-        lo, hi = hi, hi * 2
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    if hi <= MAX_MICRO:
-        fits(lo + 1)  # the proof: one more row per device is over budget
-    search.largest = lo
+    lo = search.largest = boundary(peak, budget)
     if lo == 0:
         return search
     search.train_batch_size = config.train_batch_size
@@ -90,3 +84,36 @@ def largest_micro_batch(raw: dict[str, Any], budget: int) -> BatchSearch:
     search.micro = max(m for m in range(1, min(lo, per_device) + 1) if per_device % m == 0)
     search.accum = per_device // search.micro
     return search
+
+
+def boundary(peak: Callable[[int], int], budget: int) -> int:
+    """The largest m in 1..`MAX_MICRO` with ``peak(m) <= budget`` (0: none), ``peak`` growing with
+    m, and ``peak(m + 1)`` evaluated as the proof. A compile is the cost, so the guesses follow
+    the peak's line (it is nearly affine in the rows: activations scale, the state does not):
+    each guess is the secant through the fitting size nearest the boundary and the closest other
+    size known, kept strictly inside the bracket and within `REACH` x the largest fitting size
+    (a flat stretch doubles instead); once a size over budget is known, a guess that does not
+    halve the bracket is followed by a bisection, so the search takes at most about twice
+    bisection's compiles. An affine peak takes 4 or 5 (1, 2, the guess, the proof)."""
+    seen: dict[int, int] = {}
+
+    def fits(m: int) -> bool:
+        seen[m] = seen[m] if m in seen else peak(m)
+        return seen[m] <= budget
+
+    if not fits(1):
+        return 0
+    lo, hi = (2, MAX_MICRO + 1) if fits(2) else (1, 2)  # fits(lo); hi: the smallest known not to
+    bisect = False
+    while hi - lo > 1:
+        if bisect:
+            guess = (lo + hi) // 2
+        else:
+            other = hi if hi in seen else max(m for m in seen if m < lo)
+            rise, run = seen[other] - seen[lo], other - lo  # integers: no rounding below the boundary
+            guess = lo + (budget - seen[lo]) * run // rise if rise * run > 0 else 2 * lo
+            guess = min(guess, REACH * lo)
+        width, guess = hi - lo, min(max(guess, lo + 1), hi - 1)
+        lo, hi = (guess, hi) if fits(guess) else (lo, guess)
+        bisect = not bisect and hi in seen and hi - lo > width // 2  # never toward an unknown top
+    return lo

@@ -4,6 +4,7 @@ batch is kept; bad input is one line."""
 import json
 
 import jax
+import numpy as np
 import pytest
 
 from jzero import tune
@@ -50,3 +51,20 @@ def test_bad_budgets_are_one_line(tmp_path, args, message):
     config.write_text(json.dumps(RAW))
     proc = jzero_cli("tune", "batch", str(config), "--time-top", "0", *args)
     assert proc.returncode == 2 and message in proc.stderr and proc.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("shape,peak,top", [
+    ("affine", lambda m: 1000 + 37 * m, 3000),  # what compiled peaks look like: 4-5 compiles
+    ("convex", lambda m: 1000 + m * m, 3000),
+    ("stairs", lambda m: 1000 + 512 * -(-m // 8), 3000),
+    ("flat then steep", lambda m: 1000 if m < 700 else 1000 + (m - 700) * 50, 3000),
+])
+def test_boundary_search_is_exact_for_any_growing_peak(shape, peak, top):
+    """Against a brute-force scan, for 200 budgets; the next size is always probed (the proof)."""
+    rng = np.random.default_rng(0)
+    for budget in rng.integers(peak(1) - 50, peak(top), 200):
+        calls = []
+        got = tune.boundary(lambda m, calls=calls: calls.append(m) or peak(m), int(budget))
+        assert got == max([m for m in range(1, top + 1) if peak(m) <= budget], default=0)
+        assert got == 0 or got + 1 in calls
+        assert len(calls) <= (5 if shape == "affine" else 2 * top.bit_length() + 2), (budget, calls)
