@@ -33,8 +33,6 @@ from typing import Any
 from jzero import progress
 from jzero.config import ConfigError
 
-EXIT_STARTUP = 75  # as the watchdog's: rerun the same command once every process can start
-
 ENV = {"coordinator": "JZERO_COORDINATOR", "num_processes": "JZERO_NUM_PROCESSES", "process_id": "JZERO_PROCESS_ID"}
 # Variables whose presence means JAX's own cluster detection can initialise (SLURM, Open MPI, TPU).
 CLUSTER_HINTS = ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "TPU_WORKER_HOSTNAMES", "MEGASCALE_COORDINATOR_ADDRESS")
@@ -131,7 +129,7 @@ def _never_joined(s: Settings, timeout: float, reports: Path | None, started: fl
         who = f"not every process joined the coordinator at {s.coordinator}"
     print(f"jzero: error: start-up: {who} within {timeout:g} s (jzero.watchdog.startup_timeout); "
           f"process {s.process_id} gives up", file=sys.stderr, flush=True)
-    os._exit(EXIT_STARTUP)
+    os._exit(progress.EXIT_STALLED)
 
 
 def _listening(host: str, port: int) -> bool:

@@ -30,11 +30,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from jzero import progress
+from jzero.progress import EXIT_STALLED
 
 GRACE_S = 15.0  # after a failure: how long survivors get to exit on SIGTERM before SIGKILL
 POLL_S = 0.1
 STALL_GRACE_S = 30.0  # past a rank's watchdog timeout (or since its last report): the launcher steps in
-EXIT_STALLED = 75  # a watchdog's exit code (`jzero.watchdog.EXIT_STALLED`)
 # gloo's connection chatter at start-up (one line per device, written from several threads at
 # once, so lines arrive in pieces): dropped from the stream
 NOISE = re.compile(r"\[Gloo\] Rank|connected peer ranks is|^\s*\d* ?peer ranks\.")

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 ENV = "JZERO_PROGRESS_DIR"
+EXIT_STALLED = 75  # sysexits' EX_TEMPFAIL: a process stalled or never joined; rerun the same command
 # A step's phases in order: a process in an earlier phase of the same step is behind.
 PHASES = ("start-up", "restore", "data", "compute/collective", "evaluation", "checkpoint")
 

@@ -35,8 +35,8 @@ from pathlib import Path
 
 from jzero import progress
 from jzero.config import AUTO, Config
+from jzero.progress import EXIT_STALLED
 
-EXIT_STALLED = 75  # sysexits' EX_TEMPFAIL: rerun the same command to resume
 FACTOR = 20.0  # auto timeout = FACTOR x the slowest recent step
 RECENT = 50  # steps the auto timeout looks back over
 REPORT_S = 1.0  # how often the progress report is rewritten

@@ -36,13 +36,14 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # ConfigError, CheckpointError, StartupError: one line, no traceback
         from jzero.checkpoint import CheckpointError
         from jzero.config import ConfigError
-        from jzero.distributed import EXIT_STARTUP, StartupError
+        from jzero.distributed import StartupError
+        from jzero.progress import EXIT_STALLED
 
         if isinstance(e, StartupError):
             # Straight out: JAX's shutdown barrier at exit would wait for the missing process.
             print(f"jzero: error: start-up: {e}", file=sys.stderr, flush=True)
             sys.stdout.flush()
-            os._exit(EXIT_STARTUP)
+            os._exit(EXIT_STALLED)
         if isinstance(e, (ConfigError, CheckpointError)):
             print(f"jzero: error: {e}", file=sys.stderr)
             return EXIT_USAGE

@@ -4,7 +4,7 @@ It resumes from ``OUT/checkpoints`` when that holds a step, saves every
 ``jzero.checkpoint.interval`` steps and at the end, and on SIGTERM/SIGINT finishes the current
 step, saves and exits with 128 + the signal number. Every process runs a step watchdog
 (`jzero.watchdog`, ``jzero.watchdog``): a process stuck in one phase of a step exits with
-`jzero.watchdog.EXIT_STALLED`, naming itself, the phase and the process that holds the run up;
+`jzero.progress.EXIT_STALLED`, naming itself, the phase and the process that holds the run up;
 stack dumps go to ``OUT/watchdog`` and progress reports to ``OUT/progress``.
 """
 from __future__ import annotations
