@@ -6,7 +6,7 @@ import pytest
 from helpers import FAST, TINY, jzero_cli, read_csv
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("stage", [pytest.param(0, marks=pytest.mark.slow), 1, 2, 3])  # 0: the plainest
 def test_train_every_stage_writes_metrics(tmp_path, stage):
     out = tmp_path / f"zero{stage}"
     monitors = ["--set", "tensorboard.enabled=true", "--set", "csv_monitor.enabled=true"] if stage == 1 else []

@@ -11,8 +11,8 @@ from jzero import tune
 
 from helpers import jzero_cli
 
-RAW = {"train_batch_size": 48, "gradient_clipping": 0.0, "zero_optimization": {"stage": 2},
-       "jzero": {"mesh": {"devices": 8}, "model": {"size": "tiny", "d_model": 32, "d_ff": 64, "seq_len": 16}}}
+RAW = {"train_batch_size": 12, "gradient_clipping": 0.0, "zero_optimization": {"stage": 2},
+       "jzero": {"mesh": {"devices": 2}, "model": {"size": "tiny", "d_model": 32, "d_ff": 64, "seq_len": 16}}}
 
 
 PEAKS = {}
@@ -31,8 +31,8 @@ def test_largest_micro_batch_fits_and_the_next_does_not(shared_peaks):
     search = tune.largest_micro_batch(RAW, budget)
     assert search.largest == 3 and search.peaks[3] <= budget < search.peaks[4]
     assert len(jax.live_arrays()) == live  # compiled on abstract shapes: nothing allocated
-    # the global batch (48 over 8 devices: 6 rows each) is kept: micro 3 x accumulation 2
-    assert (search.train_batch_size, search.micro, search.accum) == (48, 3, 2)
+    # the global batch (12 over 2 devices: 6 rows each) is kept: micro 3 x accumulation 2
+    assert (search.train_batch_size, search.micro, search.accum) == (12, 3, 2)
     assert search.config(RAW)["train_micro_batch_size_per_gpu"] == 3
 
 

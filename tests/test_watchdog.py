@@ -17,7 +17,7 @@ from jzero.launch import free_port
 
 from helpers import FAST, ROOT, TINY, cli_env, jzero_cli, read_csv
 
-TIMEOUT = 20  # jzero.watchdog.step_timeout in the stall tests
+TIMEOUT = 12  # jzero.watchdog.step_timeout in the stall tests (first phases get min_timeout, 300)
 ARGS = [*FAST, "--devices", "8", "--steps", "8", "--set", "jzero.train.eval_interval=4",
         "--set", "jzero.checkpoint.interval=2"]
 STALL = ["--set", f"jzero.watchdog.step_timeout={TIMEOUT}"]
