@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
 import warnings
 from typing import Any
 
@@ -47,7 +48,23 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(e, (ConfigError, CheckpointError)):
             print(f"jzero: error: {e}", file=sys.stderr)
             return EXIT_USAGE
+        if _multi_process():
+            # A collective failed because a peer is gone: JAX's shutdown barrier at exit would
+            # wait for it until the heartbeat times out (~80 s), so the traceback, then out.
+            traceback.print_exc()
+            sys.stderr.flush()
+            sys.stdout.flush()
+            os._exit(1)
         raise
+
+
+def _multi_process() -> bool:
+    """Whether this process joined a multi-process JAX run."""
+    if "jax" not in sys.modules:
+        return False
+    from jax._src import distributed as jax_distributed
+
+    return jax_distributed.global_state.client is not None
 
 
 def parser() -> argparse.ArgumentParser:
