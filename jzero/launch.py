@@ -123,7 +123,9 @@ def _supervise(procs: list[subprocess.Popen], forwarded: list[int], reports: Pat
         if all(c is not None for c in codes):
             bad = [(r, c) for r, c in enumerate(codes) if c != 0]
             return bad[0][1] if bad and bad[0][1] > 0 else (128 - bad[0][1] if bad else 0)
-        failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+        # a killed or stalled rank is the cause; the others' collectives then fail with code 1
+        failed = sorted(((r, c) for r, c in enumerate(codes) if c not in (None, 0)),
+                        key=lambda rc: (rc[1] > 0 and rc[1] != EXIT_STALLED, rc[0]))
         stuck = [] if failed or forwarded else stalled(progress.read_all(reports, since=started), codes)
         if (failed or stuck) and not forwarded:
             rank, code = failed[0] if failed else (stuck[0].rank, EXIT_STALLED)
