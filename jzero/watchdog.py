@@ -17,10 +17,11 @@ the watch starts, and the first time a phase is entered (the held-out evaluation
 programs then, the first checkpoint sets up its writer) it gets at least ``min_timeout``. The
 clock restarts at each phase, so a long evaluation or checkpoint is judged on its own.
 
-The thread needs the GIL. Where a stuck C++ call holds it (seen: after the laggard exits, a
-peer's failing collective holds it ~80 s before JAX reports), ``faulthandler``'s own C thread,
-armed at every phase for ``timeout + BACKSTOP_S``, dumps the stacks to stderr and ends the
-process with code 1.
+The thread needs the GIL. For a stuck C++ call that holds it, ``faulthandler``'s own C thread
+is the backstop: it dumps the stacks to stderr and ends the process with code 1 between
+``timeout + BACKSTOP_S / 2`` and ``timeout + BACKSTOP_S`` into a phase (after this thread's own
+verdict, laggard wait included). `enter` re-arms it only when half its margin is used, so the
+loop pays for it about once every ``BACKSTOP_S / 2`` seconds, not at every phase.
 
 `Fault` is for tests only: ``JZERO_FAULT=rank:phase:step:seconds`` makes that rank sleep on
 entering that phase of that step (``start-up``: before the first barrier, step 1), so a stall
@@ -47,7 +48,7 @@ RECENT = 50  # steps the auto timeout looks back over
 REPORT_S = 1.0  # how often the progress report is rewritten
 FRESH_S = 30.0  # a peer's report older than this: the peer is gone or frozen
 LAGGARD_WAIT_S = 10.0  # at most this long for a lagging peer's watchdog to speak first
-BACKSTOP_S = LAGGARD_WAIT_S + 10.0  # past the timeout: faulthandler's own thread ends the process
+BACKSTOP_S = 3 * LAGGARD_WAIT_S  # past the timeout: faulthandler's own thread ends the process
 FAULT_ENV = "JZERO_FAULT"
 
 
@@ -108,6 +109,7 @@ class Watchdog:
         self._thread = threading.Thread(target=self._watch, name="jzero-watchdog", daemon=True)
         self.watching = False
         self.active = False  # inside ``with``: the backstop may be armed
+        self.armed_until = 0.0  # when the armed backstop fires
 
     @property
     def timeout(self) -> float:
@@ -136,14 +138,17 @@ class Watchdog:
             self.report = replace(self.report, step=done, phase=phase, since=now)
             self.first, self.watching = phase not in self.seen, True
             self.seen.add(phase)
-        if self.active:  # the backstop, for when this thread cannot get the GIL (a stuck C++ call holds it)
-            faulthandler.dump_traceback_later(self.timeout + BACKSTOP_S, exit=True)
+        margin = self.armed_until - now - self.timeout  # keep it in [BACKSTOP_S / 2, BACKSTOP_S]
+        if self.active and not BACKSTOP_S / 2 <= margin <= BACKSTOP_S:
+            self.armed_until = now + self.timeout + BACKSTOP_S
+            faulthandler.dump_traceback_later(self.armed_until - now, exit=True)
         if self.fault is not None:
             self.fault.hit(self.rank, phase, done + 1)
 
     def pause(self) -> None:
         """Stop judging until the next `enter` (a compile, the end of the run)."""
         faulthandler.cancel_dump_traceback_later()
+        self.armed_until = 0.0
         with self._lock:
             self.watching = False
 

@@ -82,6 +82,23 @@ def test_timeout_is_fixed_or_derived_and_a_first_phase_gets_the_floor(tmp_path):
     assert watchdog.auto_timeout([0.01], floor=300) == 300
 
 
+def test_backstop_is_rearmed_only_when_its_margin_leaves_the_band(tmp_path, monkeypatch):
+    armed = []
+    monkeypatch.setattr(watchdog.faulthandler, "dump_traceback_later", lambda s, exit: armed.append(round(s)))
+    monkeypatch.setattr(watchdog.faulthandler, "cancel_dump_traceback_later", lambda: armed.append("off"))
+    w = watchdog.Watchdog(0, 1, tmp_path, tmp_path, timeout=12, floor=300)
+    w.enter("data", 0)
+    assert armed == []  # not inside ``with``: nothing is armed
+    w.active = True
+    w.enter("compute/collective")  # first of its kind: 300 s
+    w.enter("data")  # first data phase was before: 12 s, the 330 s backstop is too late
+    for _ in range(100):  # a hundred quick phases: the armed margin stays in [15, 30] s
+        w.enter("compute/collective")
+        w.enter("data")
+    w.pause()
+    assert armed == [300 + watchdog.BACKSTOP_S, 12 + watchdog.BACKSTOP_S, "off"]
+
+
 @pytest.mark.parametrize("text,message", [
     ("1:data:5", "expected rank:phase:step:seconds"), ("one:data:5:9", "expected rank:phase:step:seconds"),
     ("1:loading:5:9", "unknown phase 'loading'; valid: start-up, restore, data")])
@@ -252,3 +269,19 @@ def test_a_process_that_never_reaches_the_first_barrier_is_named(tmp_path):
     assert code == watchdog.EXIT_STALLED, stderr[-2000:]
     assert "jzero: error: start-up: barrier 'jzero-start': process 1 did not arrive within 10 s" in stderr, \
         stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_backstop_ends_a_process_whose_main_thread_holds_the_gil(tmp_path):
+    """A C call that never releases the GIL (a catastrophic regex) starves the watchdog thread;
+    faulthandler's C thread, armed for the phase, dumps the stacks and ends the process."""
+    script = (f"import re; from pathlib import Path; from jzero import watchdog\n"
+              f"w = watchdog.Watchdog(0, 1, Path({str(tmp_path)!r}), Path({str(tmp_path)!r}), timeout=1, floor=1)\n"
+              "with w:\n"
+              "    w.enter('compute/collective', 0)\n"
+              "    re.match(r'(a+)+$', 'a' * 64 + 'b')\n")
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env=cli_env(), cwd=ROOT)
+    assert proc.returncode == 1 and time.monotonic() - t0 < 1 + watchdog.BACKSTOP_S + 20, proc.stderr[-2000:]
+    assert "Timeout" in proc.stderr and "in <module>" in proc.stderr, proc.stderr[-2000:]
