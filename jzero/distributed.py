@@ -140,6 +140,19 @@ def _listening(host: str, port: int) -> bool:
         return False
 
 
+def _client() -> Any:
+    """JAX's coordination-service client (None outside a multi-process run); JAX exposes it
+    only privately, so this is the one place that reaches for it."""
+    from jax._src import distributed as jax_distributed
+
+    return jax_distributed.global_state.client
+
+
+def joined() -> bool:
+    """Whether this process has joined a multi-process JAX run (importing no JAX otherwise)."""
+    return "jax" in sys.modules and _client() is not None
+
+
 def is_primary() -> bool:
     """Process 0: the one that prints and writes files."""
     import jax
@@ -154,10 +167,8 @@ def barrier(name: str, timeout: float = 300.0) -> None:
 
     if jax.process_count() == 1:
         return
-    from jax._src import distributed as jax_distributed
-
     try:
-        jax_distributed.global_state.client.wait_at_barrier(name, int(timeout * 1000))
+        _client().wait_at_barrier(name, int(timeout * 1000))
     except Exception as e:
         found = re.search(r"timed out task names:\s*([\d\s,/a-z:_]*)", str(e))
         names = found.group(1) if found else ""

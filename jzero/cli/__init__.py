@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # ConfigError, CheckpointError, StartupError: one line, no traceback
         from jzero.checkpoint import CheckpointError
         from jzero.config import ConfigError
-        from jzero.distributed import StartupError
+        from jzero.distributed import StartupError, joined
         from jzero.progress import EXIT_STALLED
 
         if isinstance(e, StartupError):
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(e, (ConfigError, CheckpointError)):
             print(f"jzero: error: {e}", file=sys.stderr)
             return EXIT_USAGE
-        if _multi_process():
+        if joined():
             # A collective failed because a peer is gone: JAX's shutdown barrier at exit would
             # wait for it until the heartbeat times out (~80 s), so the traceback, then out.
             traceback.print_exc()
@@ -56,15 +56,6 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.flush()
             os._exit(1)
         raise
-
-
-def _multi_process() -> bool:
-    """Whether this process joined a multi-process JAX run."""
-    if "jax" not in sys.modules:
-        return False
-    from jax._src import distributed as jax_distributed
-
-    return jax_distributed.global_state.client is not None
 
 
 def parser() -> argparse.ArgumentParser:
