@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 
 from jzero.config import Config
@@ -66,13 +65,7 @@ def model_flops(cfg: MLPConfig, batch: int) -> dict[str, float]:
 def build(config: Config) -> Model:
     """{"images": (B, H, W, C) float32, "labels": (B,) int32} batches, as the ViT's."""
     cfg = from_section(config.jzero.model, SIZES, config.jzero.remat, POSITIVE)
-    init_fn, loss_fn = make(cfg)
-
-    return Model(name="mlp", spec=cfg, init_fn=init_fn, loss_fn=loss_fn,
-                 batch_spec=lambda batch_size: vit.classification_spec(cfg, batch_size),
-                 example_batch=lambda batch_size: vit.example_images(cfg, batch_size), tokens_per_example=1,
-                 flops=lambda batch_size: model_flops(cfg, batch_size),
-                 forward=jax.jit(lambda params, x: MLP(cfg).apply({"params": params}, x)))
+    return vit.classification_model("mlp", cfg, MLP(cfg), 1, lambda batch_size: model_flops(cfg, batch_size))
 
 
 def make(cfg: MLPConfig) -> tuple[Any, Any]:

@@ -5,6 +5,7 @@ convolution, a class token (or mean pooling), learned positions, pre-LN blocks o
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,11 +139,19 @@ def make(cfg: ViTConfig) -> tuple[Any, Any]:
     return classifier(ViT(cfg), cfg)
 
 
-def build(config: Config) -> Model:
-    cfg = vit_config(config)
-    init_fn, loss_fn = make(cfg)
-    return Model(name="vit", spec=cfg, init_fn=init_fn, loss_fn=loss_fn,
+def classification_model(name: str, cfg: Any, module: nn.Module, tokens_per_example: int,
+                         flops: Callable[[int], dict[str, float]]) -> Model:
+    """The `Model` of any Linen ``module`` mapping images to class logits (the ViT, the MLP),
+    on the classification task's batches."""
+    init_fn, loss_fn = classifier(module, cfg)
+    return Model(name=name, spec=cfg, init_fn=init_fn, loss_fn=loss_fn,
                  batch_spec=lambda batch_size: classification_spec(cfg, batch_size),
                  example_batch=lambda batch_size: example_images(cfg, batch_size),
-                 tokens_per_example=tokens_per_example(cfg), flops=lambda batch_size: model_flops(cfg, batch_size),
-                 forward=jax.jit(lambda params, x: ViT(cfg).apply({"params": params}, x)))
+                 tokens_per_example=tokens_per_example, flops=flops,
+                 forward=jax.jit(lambda params, x: module.apply({"params": params}, x)))
+
+
+def build(config: Config) -> Model:
+    cfg = vit_config(config)
+    return classification_model("vit", cfg, ViT(cfg), tokens_per_example(cfg),
+                                lambda batch_size: model_flops(cfg, batch_size))
