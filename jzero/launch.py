@@ -120,12 +120,12 @@ def _supervise(procs: list[subprocess.Popen], forwarded: list[int], reports: Pat
     started = time.time()
     while True:
         codes = [p.poll() for p in procs]
-        if all(c is not None for c in codes):
-            bad = [(r, c) for r, c in enumerate(codes) if c != 0]
-            return bad[0][1] if bad and bad[0][1] > 0 else (128 - bad[0][1] if bad else 0)
-        # a killed or stalled rank is the cause; the others' collectives then fail with code 1
+        # a killed or stalled rank is the cause; the others' collectives then fail with code 1,
+        # possibly before the next poll, so the order decides and not who was seen first
         failed = sorted(((r, c) for r, c in enumerate(codes) if c not in (None, 0)),
                         key=lambda rc: (rc[1] > 0 and rc[1] != EXIT_STALLED, rc[0]))
+        if all(c is not None for c in codes) and (forwarded or not failed):
+            return 0 if not failed else failed[0][1] if failed[0][1] > 0 else 128 - failed[0][1]
         stuck = [] if failed or forwarded else stalled(progress.read_all(reports, since=started), codes)
         if (failed or stuck) and not forwarded:
             rank, code = failed[0] if failed else (stuck[0].rank, EXIT_STALLED)

@@ -65,6 +65,25 @@ def test_launcher_steps_in_only_past_a_watched_ranks_timeout():
     assert launch.describe_exit(watchdog.EXIT_STALLED) == "exit code 75 (its watchdog: stalled)"
 
 
+class Exited:
+    """A process that has already ended with ``code``."""
+    def __init__(self, code):
+        self.code = code
+
+    def poll(self):
+        return self.code
+
+
+def test_launcher_blames_the_stalled_rank_even_when_all_ended_within_one_poll(tmp_path, capsys):
+    # rank 1's watchdog exits 75; rank 0's collective fails at once with code 1, before the next poll
+    assert launch._supervise([Exited(1), Exited(watchdog.EXIT_STALLED)], [], tmp_path) == watchdog.EXIT_STALLED
+    assert "run failed: rank 1 exit code 75 (its watchdog: stalled)" in capsys.readouterr().err
+    assert launch._supervise([Exited(-9), Exited(1)], [], tmp_path) == 1
+    assert "run failed: rank 0 killed by SIGKILL" in capsys.readouterr().err
+    assert launch._supervise([Exited(0), Exited(0)], [], tmp_path) == 0
+    assert launch._supervise([Exited(0), Exited(-2)], [2], tmp_path) == 130  # a forwarded Ctrl-C: 128 + SIGINT
+
+
 def test_timeout_is_fixed_or_derived_and_a_first_phase_gets_the_floor(tmp_path):
     fixed = watchdog.Watchdog(0, 1, tmp_path, tmp_path, timeout=20, floor=300)
     fixed.enter("data", 0)
@@ -249,7 +268,10 @@ def test_a_checkpoint_damaged_in_one_process_view_makes_both_fall_back(tmp_path,
     assert first.returncode == 0, first.stderr[-3000:]
     view = tmp_path / "view"
     shutil.copytree(out, view)
-    damaged = max((p for p in (view / "checkpoints" / "4").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    # damage what process 1 reads: the arrays it wrote (OCDBT may split them over several files,
+    # so the largest file of the whole step can be one that only process 0 reads)
+    written = (view / "checkpoints" / "4" / "state" / "ocdbt.process_1" / "d").iterdir()
+    damaged = max(written, key=lambda p: p.stat().st_size)
     damaged.write_bytes(damaged.read_bytes()[: damaged.stat().st_size // 2])
     # --steps 4 again: the restored runs retrain steps 3 and 4, whose checkpoint both views list
     results = by_hand([out, view], tmp_path, "--steps", "4")
