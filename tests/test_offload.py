@@ -179,23 +179,25 @@ def test_checkpoint_round_trip_between_offloaded_and_device_state(tmp_path, save
     assert float(m1["loss"]) == float(m2["loss"])
 
 
-@pytest.mark.slow  # three short `jzero train` runs: about three minutes on 2 cores
+@pytest.mark.slow  # three short `jzero train` runs: about two minutes on 2 cores
 def test_offload_configs_train_from_the_cli(tmp_path):
     """configs/gpt_small_offload.json gives the held-out losses of the same config on the device
     (numbers unchanged by offloading), falling; Hugging Face's zero3-offload template trains."""
-    short = ["--steps", "16", "--set", "jzero.train.eval_interval=8", "--set", "jzero.train.eval_batches=1",
+    short = ["--steps", "8", "--set", "jzero.train.eval_interval=4", "--set", "jzero.train.eval_batches=1",
              "--set", "jzero.data.max_bytes=200000"]
+    small = ["--set", "train_batch_size=32"]  # accum 1: offload with accumulation has its own test
     device = ["--set", "zero_optimization.offload_optimizer.device=none",
               "--set", "zero_optimization.offload_param.device=none"]
     evals = {}
     for name, extra in (("offload", []), ("device", device)):
-        proc = jzero_cli("train", "configs/gpt_small_offload.json", "--out", str(tmp_path / name), *short, *extra,
-                         timeout=600)
+        proc = jzero_cli("train", "configs/gpt_small_offload.json", "--out", str(tmp_path / name), *short, *small,
+                         *extra, timeout=600, optimized=True)
         assert proc.returncode == 0, proc.stderr[-2000:]
         evals[name] = [float(r["eval_loss"]) for r in read_csv(tmp_path / name / "metrics.csv") if r["eval_loss"]]
     np.testing.assert_allclose(evals["offload"], evals["device"], rtol=1e-6)
     assert evals["offload"][-1] < evals["offload"][0]
-    hf = jzero_cli("train", "configs/hf_zero3_offload.json", "--out", str(tmp_path / "hf"), *short, timeout=600)
+    hf = jzero_cli("train", "configs/hf_zero3_offload.json", "--out", str(tmp_path / "hf"), *short, timeout=600,
+                   optimized=True)
     assert hf.returncode == 0, hf.stderr[-2000:]
     assert "per-device state in host memory (offloaded)" in hf.stdout
     hf_evals = [float(r["eval_loss"]) for r in read_csv(tmp_path / "hf" / "metrics.csv") if r["eval_loss"]]
