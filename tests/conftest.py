@@ -16,3 +16,17 @@ jax.config.update("jax_disable_most_optimizations", True)
 @pytest.fixture(scope="session")
 def devices():
     return jax.devices()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def compilation_cache(tmp_path_factory):
+    """One XLA compilation cache for the whole run, shared by the xdist workers and every `jzero`
+    subprocess they start: many tests compile the same program (the CLI's tiny run and its
+    resume, one model under several checks) and compile time dominates the suite. It lives in
+    pytest's run folder (workers share its parent), which pytest prunes like any other."""
+    base = tmp_path_factory.getbasetemp()
+    folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "xla-cache"
+    settings = {"jax_compilation_cache_dir": str(folder), "jax_persistent_cache_min_compile_time_secs": 0.2}
+    for name, value in settings.items():
+        os.environ[name.upper()] = str(value)
+        jax.config.update(name, value)
