@@ -1,5 +1,5 @@
 """DeepSpeed's own ``compute_elastic_config`` on a set of elasticity sections and data-parallel
-sizes, recorded as the golden file `tests/test_elasticity.py` checks `jzero.elastic` against
+sizes, recorded as the golden file `tests/test_elasticity.py` checks `jzero.config.elastic` against
 (no torch needed there).
 
     pip install -e '.[oracle]'                 # torch (CPU) + deepspeed

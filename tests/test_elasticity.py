@@ -1,4 +1,4 @@
-"""DeepSpeed's elasticity (`jzero.elastic`, the ``elasticity`` section): the global batch, the
+"""DeepSpeed's elasticity (`jzero.config.elastic`, the ``elasticity`` section): the global batch, the
 valid data-parallel sizes and the micro-batch equal DeepSpeed's ``compute_elastic_config`` (a
 golden file recorded from it by ``benchmarks/deepspeed_elasticity.py``) and a brute-force
 reading of its documented rule written here; an invalid device count is one line; another
@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 
 import jzero
-from jzero import elastic
-from jzero.config import ConfigError
+from jzero.config import ConfigError, elastic
 
 GOLDEN = json.loads((Path(__file__).resolve().parent / "golden" / "elasticity" / "deepspeed_elasticity.json")
                     .read_text())["cases"]

@@ -1,13 +1,14 @@
 """Typed, frozen configuration with DeepSpeed's key names: the schema and its parser.
 
-Near the bottom of jzero's import graph: it imports only `jzero.typed` (the generic JSON ->
-dataclass parser), so every module can read a `Config` and raise `ConfigError` without pulling
-anything else in. `parse_config` turns a DeepSpeed ``ds_config`` dict into the dataclasses
-below: an unknown key or a wrong type raises `ConfigError` with the dotted key path and what
-would be valid; the batch rule (micro x
-accum x dp = train) is resolved against a data-parallel size and re-resolved by `Config.for_dp`
-when the mesh differs. What DeepSpeed features jzero refuses, value ranges, and the sections
-owned by other modules (optimizer, scheduler, remat, model) are checked above this module, by
+The bottom of jzero's import graph: the package imports no jzero module outside itself (its
+`typed`: the generic JSON -> dataclass parser; its `elastic`: DeepSpeed's elasticity
+arithmetic; neither imports any jzero module), so every module can read a `Config` and raise
+`ConfigError` without pulling anything else in. `parse_config` turns a DeepSpeed ``ds_config``
+dict into the dataclasses below: an unknown key or a wrong type raises `ConfigError` with the
+dotted key path and what would be valid; the batch rule (micro x accum x dp = train) is
+resolved against a data-parallel size and re-resolved by `Config.for_dp` when the mesh
+differs. What DeepSpeed features jzero refuses, value ranges, and the sections owned by other
+modules (optimizer, scheduler, remat, model) are checked above this module, by
 `jzero.resolve.load_config`, the public entry point.
 """
 from __future__ import annotations
@@ -17,8 +18,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from jzero.elastic import micro_batch, v01, v02
-from jzero.typed import AUTO, ConfigError, ConfigWarning, auto_field, parse, read_json, to_dict, unknown
+from jzero.config.elastic import micro_batch, v01, v02
+from jzero.config.typed import AUTO, ConfigError, ConfigWarning, auto_field, parse, read_json, to_dict, unknown
 
 __all__ = ["AUTO", "ConfigError", "ConfigWarning", "read_json", "unknown"]  # re-exported: errors live here
 
@@ -140,7 +141,7 @@ class MeshConfig:
 
 @dataclass(frozen=True)
 class ElasticityConfig:
-    """DeepSpeed's ``elasticity`` (`jzero.elastic`): the global batch and micro-batch are chosen so
+    """DeepSpeed's ``elasticity`` (`jzero.config.elastic`): the global batch and micro-batch are chosen so
     that many data-parallel sizes train the same thing; DeepSpeed's defaults."""
 
     enabled: bool = False
@@ -341,7 +342,7 @@ def batch_rule(cfg: Config, given: tuple, dp: int) -> tuple[int, int, int]:
 
 
 def elastic_batch(e: ElasticityConfig, given: tuple, dp: int) -> tuple[int, int, int]:
-    """(train, micro, accum) by DeepSpeed's elasticity (`jzero.elastic`) for a data-parallel size
+    """(train, micro, accum) by DeepSpeed's elasticity (`jzero.config.elastic`) for a data-parallel size
     of ``dp``; ConfigError naming the key when the section is wrong or ``dp`` is not valid."""
     sizes = list(e.micro_batch_sizes)
     checks = [("micro_batch_sizes", bool(sizes) and all(isinstance(m, int) and not isinstance(m, bool) and m > 0
