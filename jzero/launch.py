@@ -125,7 +125,8 @@ def _supervise(procs: list[subprocess.Popen], forwarded: list[int], reports: Pat
         failed = sorted(((r, c) for r, c in enumerate(codes) if c not in (None, 0)),
                         key=lambda rc: (rc[1] > 0 and rc[1] != EXIT_STALLED, rc[0]))
         if all(c is not None for c in codes) and (forwarded or not failed):
-            return 0 if not failed else failed[0][1] if failed[0][1] > 0 else 128 - failed[0][1]
+            code = failed[0][1] if failed else 0
+            return code if code >= 0 else 128 - code  # killed by a signal: 128 + its number
         stuck = [] if failed or forwarded else stalled(progress.read_all(reports, since=started), codes)
         if (failed or stuck) and not forwarded:
             rank, code = failed[0] if failed else (stuck[0].rank, EXIT_STALLED)

@@ -5,8 +5,9 @@ each size's training step is compiled ahead of time on abstract shapes (`jzero.e
 its per-device peak read from the executable, so no size is ever allocated or run to find the
 limit: the guesses follow the line of the peaks compiled so far (the peak is nearly affine in
 the micro-batch), with bisection as the fallback, so a search takes a handful of compiles. The
-configured global batch is kept: the accumulation becomes ``train_batch_size / (micro x devices)``, with the micro-batch
-lowered to the largest size that divides it when the largest fitting one does not.
+configured global batch is kept: the accumulation becomes ``train_batch_size / (micro x
+devices)``, with the micro-batch lowered to the largest size that divides it when the largest
+fitting one does not.
 """
 from __future__ import annotations
 
