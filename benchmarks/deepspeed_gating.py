@@ -1,5 +1,5 @@
 """DeepSpeed's own gates on fixed router logits, recorded as the golden file `tests/test_moe.py`
-checks `jzero.gating` against (no torch needed there).
+checks `jzero.models.gating` against (no torch needed there).
 
     pip install -e '.[oracle]'            # torch (CPU) + deepspeed
     python benchmarks/deepspeed_gating.py  # writes tests/golden/gating/deepspeed_gating.json

@@ -94,7 +94,7 @@ def initial_params(config: dict) -> dict[str, np.ndarray]:
     """jzero's initial params for ``config`` as host arrays named like ``blocks.stacked.qkv.kernel``."""
     import jax
 
-    from jzero import treepath
+    from jzero.zero import treepath
 
     named = treepath.named_leaves(jax.device_get(initial_state(config).params))
     return {name.replace("/", "."): np.asarray(x, np.float32) for name, x in named.items()}

@@ -6,7 +6,7 @@ m, v; write p, m, v). For each size the script times, in one run on one device:
 - ``copy``: a device-to-device copy of the params (reads and writes 8 B/param): the roofline;
 - ``optax``: ``optax.adamw`` under ``jax.jit`` with the grads unscaled and clipped first, donated;
 - ``xla``: jzero's step arithmetic (`pallas_kernels.adamw.step_math`) under XLA, donated;
-- ``pallas``: the fused Pallas kernel through `jzero.fused` (Mosaic GPU on Hopper, Triton on
+- ``pallas``: the fused Pallas kernel through `jzero.zero.fused` (Mosaic GPU on Hopper, Triton on
   older GPUs, Mosaic TPU), in place, and on Mosaic GPU a sweep of block rows x pipeline depth.
 
 GB/s = 28 B/param / time; "of copy" = that over the copy's measured GB/s. Before timing, the
@@ -31,7 +31,7 @@ import numpy as np
 import optax
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from jzero import fused, optim  # noqa: E402
+from jzero.zero import fused, optim  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BYTES_PER_PARAM = 28
@@ -94,7 +94,7 @@ def optax_time(params: dict, grads: dict) -> float:
 
 
 def fused_step(backend: str, **tuning):
-    """The injected `jzero.fused` transformation and a donated jitted in-place step of it."""
+    """The injected `jzero.zero.fused` transformation and a donated jitted in-place step of it."""
     tx = optax.inject_hyperparams(fused.fused_adamw, static_args=("backend", "kernel_options"))(
         learning_rate=LR, b1=B1, b2=B2, eps=EPS, weight_decay=WD, backend=backend, kernel_options=tuning)
 

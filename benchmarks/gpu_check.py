@@ -110,7 +110,8 @@ def wire_dtypes_row(smoke: bool) -> dict:
     if jax.device_count() < 2:
         return {"skipped": f"needs >= 2 devices for collectives, this machine has {jax.device_count()}"}
     import jzero
-    from jzero import models, profile
+    from jzero import models
+    from jzero.analysis import profile
 
     cfg = jzero.load_config({"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
                              "communication_data_type": "bf16",

@@ -1,7 +1,7 @@
 """ZeRO sweep: stages x model sizes x device counts on simulated CPU devices.
 
 For every point: per-device memory and communication read from the compiled step
-(`jzero.profile`), and the step time as a ratio to a hand-written `jit` + optax data-parallel
+(`jzero.analysis.profile`), and the step time as a ratio to a hand-written `jit` + optax data-parallel
 step of the same model on the same devices, measured in the same run. Writes
 `benchmarks/results/sweep.{json,md,png}`.
 
@@ -27,9 +27,9 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P
 
 import jzero  # noqa: E402
-from jzero import profile  # noqa: E402
-from jzero.mesh import DATA_AXES  # noqa: E402
+from jzero.analysis import profile  # noqa: E402
 from jzero.models import gpt  # noqa: E402
+from jzero.zero.mesh import DATA_AXES  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SIZES = {

@@ -29,9 +29,9 @@ BLOCKS = (256, 512, 1024, 2048, 4096, 8192)
 
 def wire() -> dict:
     """Per-device wire bytes per step from the compiled step, ZeRO accounting, by quantization."""
-    from jzero import profile
-    from jzero.estimate import compile_step
-    from jzero.resolve import load_config
+    from jzero.analysis import profile
+    from jzero.analysis.estimate import compile_step
+    from jzero.train.resolve import load_config
 
     raw = json.loads(CONFIG.read_text())
     out = {}
@@ -50,8 +50,9 @@ def errors() -> list[dict]:
     import jax
     import numpy as np
 
-    from jzero import models, quantize
-    from jzero.resolve import load_config
+    from jzero import models
+    from jzero.train.resolve import load_config
+    from jzero.zero import quantize
 
     model = models.build(load_config(CONFIG, dp_size=8))
     params = jax.jit(model.init_fn)(jax.random.key(0))

@@ -10,20 +10,23 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-_EXPORTS = {
-    "from_linen": "jzero.adapters", "from_nnx": "jzero.adapters",
-    "CheckpointError": "jzero.checkpoint", "CheckpointMismatchError": "jzero.checkpoint",
-    "Checkpointer": "jzero.checkpoint", "CheckpointWarning": "jzero.checkpoint",
-    "Config": "jzero.config", "ConfigError": "jzero.config", "ConfigWarning": "jzero.config",
-    "load_config": "jzero.resolve",
-    "export": "jzero.weights", "load_params": "jzero.weights",
-    "make_mesh": "jzero.mesh", "Plan": "jzero.sharding",
-    "TrainState": "jzero.state", "abstract_init": "jzero.state", "device_params": "jzero.state",
-    "init": "jzero.state",
-    "train_step": "jzero.step", "eval_step": "jzero.step", "gather_rows": "jzero.rows", "row_offset": "jzero.rows",
-    "MoE": "jzero.moe", "NNXMoE": "jzero.moe", "MoESpec": "jzero.moe", "MoEStats": "jzero.moe",
-    "GateSpec": "jzero.gating", "evaluating": "jzero.phase",
+_PUBLIC = {  # module -> the names it gives the public face, bottom layer first
+    "jzero.config": ("Config", "ConfigError", "ConfigWarning"),
+    "jzero.zero.mesh": ("make_mesh",),
+    "jzero.zero.sharding": ("Plan",),
+    "jzero.zero.rows": ("gather_rows", "row_offset"),
+    "jzero.zero.phase": ("evaluating",),
+    "jzero.models.adapters": ("from_linen", "from_nnx"),
+    "jzero.models.layers": ("scan_layers",),
+    "jzero.models.moe": ("MoE", "NNXMoE", "MoESpec", "MoEStats"),
+    "jzero.models.gating": ("GateSpec",),
+    "jzero.train.resolve": ("load_config",),
+    "jzero.train.state": ("TrainState", "abstract_init", "device_params", "init"),
+    "jzero.train.step": ("train_step", "eval_step"),
+    "jzero.runtime.checkpoint": ("CheckpointError", "CheckpointMismatchError", "Checkpointer", "CheckpointWarning"),
+    "jzero.runtime.weights": ("export", "load_params"),
 }
+_EXPORTS = {name: module for module, names in _PUBLIC.items() for name in names}
 __all__ = sorted(_EXPORTS) + ["__version__"]
 
 

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 import jzero
-from jzero.checkpoint import Checkpointer
+from jzero.runtime.checkpoint import Checkpointer
 
 SHAPES = {"w1": (1024, 1024), "w2": (1024, 1024), "b": (1024,)}  # ~12 MB of params + Adam state
 

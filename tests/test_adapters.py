@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 import jzero
-from jzero.layers import scan_layers
+from jzero.models.layers import scan_layers
 
 LR, STEPS = 1e-2, 5
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import jzero
-from jzero import autotune
+from jzero.analysis import autotune
 from jzero.models import gpt
 
 RAW = {"train_batch_size": 16, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},

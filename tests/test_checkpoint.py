@@ -19,7 +19,8 @@ import pytest
 from safetensors import safe_open
 
 import jzero
-from jzero.checkpoint import (
+from jzero.models import gpt
+from jzero.runtime.checkpoint import (
     Checkpointer,
     CheckpointError,
     CheckpointMismatchError,
@@ -27,7 +28,6 @@ from jzero.checkpoint import (
     checksum,
     host_checksum,
 )
-from jzero.models import gpt
 
 from helpers import (
     FAST,

@@ -1,6 +1,6 @@
 """Config loading: DeepSpeed's batch rule, key validation with suggestions, unsupported
 features, "auto", and each LR scheduler against DeepSpeed's formulas (written out here
-independently of jzero/schedules.py)."""
+independently of jzero/zero/schedules.py)."""
 import json
 import math
 
@@ -9,8 +9,9 @@ import jax.numpy as jnp
 import pytest
 
 import jzero
-from jzero import models, optim, schedules
+from jzero import models
 from jzero.config import ConfigError, ConfigWarning
+from jzero.zero import optim, schedules
 
 
 def base(**kw):

@@ -8,7 +8,7 @@ import jax
 import pytest
 
 import jzero
-from jzero import profile
+from jzero.analysis import profile
 from jzero.models import gpt
 
 from helpers import MODELS, token_batches
@@ -85,7 +85,7 @@ def test_comm_volume_matches_zero_paper(stage, volume):
     assert report.total_elements() / psi == pytest.approx(volume, rel=0.05)
 
 
-# Psi per step with k micro-batches: the ZeRO table's last column (jzero/sharding.py).
+# Psi per step with k micro-batches: the ZeRO table's last column (jzero/zero/sharding.py).
 PER_STEP = {0: lambda k: 2, 1: lambda k: 2, 2: lambda k: k + 1, 3: lambda k: 3 * k}
 
 

@@ -11,8 +11,8 @@ import time
 import pytest
 
 import jzero
-from jzero import distributed
 from jzero.config import ConfigError
+from jzero.runtime import distributed
 
 from helpers import FAST, ROOT, TINY, cli_env, jzero_cli, read_csv, wait_for
 
@@ -112,7 +112,7 @@ def test_settings_come_from_flags_then_env_then_cluster():
 
 
 def test_communication_keys_become_gpu_xla_flags():
-    from jzero import xla_flags
+    from jzero.runtime import xla_flags
 
     cfg = jzero.load_config({"train_batch_size": 8, "communication_data_type": "bf16", "bf16": {"enabled": True},
                              "zero_optimization": {"overlap_comm": False, "reduce_bucket_size": 1000,

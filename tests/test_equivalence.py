@@ -70,7 +70,7 @@ def test_hpz_shards_inside_groups_of_4_and_trains_like_fsdp_8():
     """zero_hpz_partition_size 4 on 8 devices (mesh replica 2 x fsdp 4), stage 3: the losses of
     ZeRO-3 over all 8, params all-gathered and grads reduce-scattered only inside each group of
     4, and gradients summed across the 2 groups by an all-reduce over pairs."""
-    from jzero import profile
+    from jzero.analysis import profile
 
     make_fns, make_batches = MODELS["gpt"]
     init_fn, loss_fn = make_fns()

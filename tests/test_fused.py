@@ -11,7 +11,7 @@ import optax
 import pytest
 
 import jzero
-from jzero import fused, optim
+from jzero.zero import fused, optim
 from pallas_kernels import adamw as kernel
 
 from helpers import MODELS

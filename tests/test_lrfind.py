@@ -1,4 +1,4 @@
-"""`jzero tune lr` (`jzero.lrfind`): on a problem whose stable learning rates are known (SGD on
+"""`jzero tune lr` (`jzero.analysis.lrfind`): on a problem whose stable learning rates are known (SGD on
 a quadratic: no progress far below 1 / h, divergence above 2 / h) the suggestion lies between
 the flat region and the divergence point; the command writes the plot, the curve and a config
 with the suggested lr; bad ranges are one line."""
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import jzero
-from jzero import lrfind
+from jzero.analysis import lrfind
 from jzero.config import ConfigError
 
 from helpers import jzero_cli

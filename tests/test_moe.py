@@ -1,4 +1,4 @@
-"""Mixture-of-Experts (`jzero.gating`, `jzero.moe`): the gates equal DeepSpeed's own (a golden
+"""Mixture-of-Experts (`jzero.models.gating`, `jzero.models.moe`): the gates equal DeepSpeed's own (a golden
 file recorded from ``deepspeed.moe.sharded_moe``) and hand-derived fixtures; the MoE GPT with
 expert parallelism 1/2/4/8 at every ZeRO stage equals a single-device loop of the same math;
 expert params take 1/ep_size of the bytes; each MoE layer moves its tokens with two all-to-alls
@@ -15,10 +15,11 @@ import pytest
 from flax import nnx
 
 import jzero
-from jzero import gating, moe, phase, profile
+from jzero.analysis import profile
 from jzero.config import ConfigError
-from jzero.models import gpt
-from jzero.sharding import ZERO_RULES
+from jzero.models import gating, gpt, moe
+from jzero.zero import phase
+from jzero.zero.sharding import ZERO_RULES
 
 from helpers import EPS, LR, WD, assert_params_close, jzero_cli, plain_loop, read_csv, row_blocks, token_batches
 
@@ -298,7 +299,7 @@ def test_full_remat_recomputes_the_forward_all_to_alls():
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.slow  # three compiled steps and an Orbax save / restore
 def test_checkpoint_restores_onto_another_ep_size_and_continues(tmp_path):
-    from jzero.checkpoint import Checkpointer
+    from jzero.runtime.checkpoint import Checkpointer
 
     batches = token_batches(4, BATCH, 16, 64)
     cfg = moe_config(1, 2)

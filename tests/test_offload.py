@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 import jzero
-from jzero import profile
-from jzero.checkpoint import Checkpointer
+from jzero.analysis import profile
 from jzero.config import ConfigError, ConfigWarning
 from jzero.models import gpt
+from jzero.runtime.checkpoint import Checkpointer
 
 from helpers import GPT_CFG, jzero_cli, read_csv, token_batches
 

@@ -10,7 +10,7 @@ import optax
 import pytest
 
 import jzero
-from jzero import optim
+from jzero.zero import optim
 
 OPTIMIZERS = {
     "Adam": {"lr": 1e-2, "weight_decay": 0.1},

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import jzero
-from jzero import precision
+from jzero.zero import precision
 
 
 class DeepSpeedScaler:
@@ -122,7 +122,7 @@ def test_injected_overflow_skips_the_step_everywhere(stage):
 def test_fp16_trains_the_tiny_gpt_like_bf16():
     """200 steps of the tiny GPT on the bundled corpus: fp16 (dynamic scaling, DeepSpeed's default
     scaler settings) ends within 2% of bf16."""
-    from jzero.engine import Engine
+    from jzero.runtime.engine import Engine
 
     final = {}
     for mode in ("fp16", "bf16"):

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 import jzero
-from jzero import profile, remat
+from jzero.analysis import profile
 from jzero.models import gpt
+from jzero.zero import remat
 
 
 @functools.cache

@@ -1,4 +1,4 @@
-"""`jzero tune batch` (`jzero.tune`): the largest micro-batch per device whose compiled peak fits
+"""`jzero tune batch` (`jzero.analysis.tune`): the largest micro-batch per device whose compiled peak fits
 the budget, proven by the next size over it, found without allocating anything; the global
 batch is kept; bad input is one line."""
 import json
@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from jzero import tune
+from jzero.analysis import tune
 
 from helpers import jzero_cli
 

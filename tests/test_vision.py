@@ -12,7 +12,7 @@ import pytest
 import jzero
 from jzero.config import ConfigError
 from jzero.models import clip, mlp, vit
-from jzero.step import eval_step
+from jzero.train.step import eval_step
 
 from helpers import EPS, LR, WD, jzero_cli, plain_loop, read_csv
 
@@ -140,7 +140,8 @@ def test_bad_image_data_is_one_line_naming_file_or_key(tmp_path, case, message):
 
 
 def test_user_npz_and_folder_train_the_classifier(tmp_path):
-    from jzero import images, tasks
+    from jzero import tasks
+    from jzero.tasks import images
 
     np.savez(tmp_path / "d.npz", images=np.random.default_rng(0).integers(0, 255, (40, 8, 8), np.uint8),
              labels=np.arange(40) % 4, class_names=np.array(["a", "b", "c", "d"]))
@@ -193,7 +194,7 @@ def test_estimate_b16_on_64_devices_matches_zero3_formula(config, params):
 
 @pytest.mark.slow  # three AOT compiles and timed candidates: about 15 s on 2 cores
 def test_autotune_ranks_a_vision_task():
-    from jzero import autotune
+    from jzero.analysis import autotune
 
     raw = {**json.load(open("configs/vit_digits.json")), "train_batch_size": 8}  # micro 1, 2, 4 per device
     results = autotune.measure(raw, 2, stages=(2,), remats=("full",))

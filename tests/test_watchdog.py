@@ -11,9 +11,9 @@ import time
 import pytest
 
 import jzero
-from jzero import launch, progress, watchdog
 from jzero.config import ConfigError
-from jzero.launch import free_port
+from jzero.runtime import launch, progress, watchdog
+from jzero.runtime.launch import free_port
 
 from helpers import FAST, ROOT, TINY, cli_env, jzero_cli, read_csv
 

@@ -1,4 +1,4 @@
-"""ZeRO++ (`jzero.quantize`, `jzero.zeropp`): blockwise int8 within max|block| / 254 on random
+"""ZeRO++ (`jzero.zero.quantize`, `jzero.zero.zeropp`): blockwise int8 within max|block| / 254 on random
 and adversarial blocks; the quantized gather and two-hop reduce-scatter equal the exact
 collectives within that bound; at stage 3 the compiled step moves weights and gradients as s8
 (stack wire bytes <= 0.4 x bf16 gathers + fp32 reductions) and trains like the unquantized
@@ -13,8 +13,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jzero
-from jzero import profile, quantize, zeropp
+from jzero.analysis import profile
 from jzero.models import gpt
+from jzero.zero import quantize, zeropp
 
 from helpers import jzero_cli, token_batches
 

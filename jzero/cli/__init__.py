@@ -1,4 +1,5 @@
-"""The ``jzero`` command line: one module per command, each with its own sub-parser.
+"""CLI: the ``jzero`` command line, one module per command, each with its own sub-parser
+(`common` holds what they share). The top layer: may import any layer; nothing below imports it.
 
 ``train`` (`jzero.cli.train`), ``launch``, ``estimate``, ``profile``, ``autotune``, ``tune``,
 ``export`` and ``bench``. On a CPU-only host the devices a run asks for (``--devices`` or
@@ -35,10 +36,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"jzero: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except Exception as e:  # ConfigError, CheckpointError, StartupError: one line, no traceback
-        from jzero.checkpoint import CheckpointError
         from jzero.config import ConfigError
-        from jzero.distributed import StartupError, joined
-        from jzero.progress import EXIT_STALLED
+        from jzero.runtime.checkpoint import CheckpointError
+        from jzero.runtime.distributed import StartupError, joined
+        from jzero.runtime.progress import EXIT_STALLED
 
         if isinstance(e, StartupError):
             # Straight out: JAX's shutdown barrier at exit would wait for the missing process.

@@ -1,5 +1,5 @@
 """``jzero autotune CONFIG --devices N``: ZeRO stage x micro-batch x remat, pruned by compiled
-memory before anything runs, survivors timed (see `jzero.autotune`)."""
+memory before anything runs, survivors timed (see `jzero.analysis.autotune`)."""
 from __future__ import annotations
 
 import argparse
@@ -29,8 +29,8 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from jzero import autotune
-    from jzero.remat import POLICIES
+    from jzero.analysis import autotune
+    from jzero.zero.remat import POLICIES
 
     for name in args.remat or []:
         if name not in POLICIES:

@@ -1,5 +1,5 @@
 """``jzero estimate CONFIG --devices N``: per-device memory and communication of the compiled
-step on abstract shapes (see `jzero.estimate`)."""
+step on abstract shapes (see `jzero.analysis.estimate`)."""
 from __future__ import annotations
 
 import argparse
@@ -24,8 +24,8 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from jzero.estimate import estimate
-    from jzero.resolve import load_config
+    from jzero.analysis.estimate import estimate
+    from jzero.train.resolve import load_config
 
     config = load_config(raw)
     stages = args.stage or [config.zero_optimization.stage]

@@ -13,8 +13,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jzero.monitor import mib
-    from jzero.weights import export
+    from jzero.runtime.monitor import mib
+    from jzero.runtime.weights import export
 
     written = export(args.checkpoint, args.out, args.dtype)
     print(f"jzero: wrote {written['tensors']} tensors ({mib(written['bytes'])}) from step {written['step']} "

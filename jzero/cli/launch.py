@@ -1,4 +1,4 @@
-"""``jzero launch --nproc N -- CMD``: N processes of CMD on this host (see `jzero.launch`)."""
+"""``jzero launch --nproc N -- CMD``: N processes of CMD on this host (see `jzero.runtime.launch`)."""
 from __future__ import annotations
 
 import argparse
@@ -16,7 +16,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jzero import launch
+    from jzero.runtime import launch
 
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not cmd:

@@ -36,9 +36,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _report(raw: dict[str, Any], name: str) -> dict[str, Any]:
-    from jzero import profile
-    from jzero.estimate import compile_step
-    from jzero.resolve import load_config
+    from jzero.analysis import profile
+    from jzero.analysis.estimate import compile_step
+    from jzero.train.resolve import load_config
 
     compiled, state, _, model, compile_s = compile_step(load_config(raw))
     devices = state.plan.mesh.size
@@ -99,7 +99,7 @@ def _trace(raw: dict[str, Any], directory: str) -> str:
 
     import jzero
     from jzero import models
-    from jzero.resolve import load_config
+    from jzero.train.resolve import load_config
 
     config = load_config(raw)
     model = models.build(config)
@@ -121,8 +121,9 @@ def _quantization_error(raw: dict[str, Any]) -> dict[str, Any]:
     import jax
     import numpy as np
 
-    from jzero import models, quantize
-    from jzero.resolve import load_config
+    from jzero import models
+    from jzero.train.resolve import load_config
+    from jzero.zero import quantize
 
     config = load_config(raw)
     model, block = models.build(config), config.jzero.quantization_block_size

@@ -3,8 +3,8 @@
 It resumes from ``OUT/checkpoints`` when that holds a step, saves every
 ``jzero.checkpoint.interval`` steps and at the end, and on SIGTERM/SIGINT finishes the current
 step, saves and exits with 128 + the signal number. Every process runs a step watchdog
-(`jzero.watchdog`, ``jzero.watchdog``): a process stuck in one phase of a step exits with
-`jzero.progress.EXIT_STALLED`, naming itself, the phase and the process that holds the run up;
+(`jzero.runtime.watchdog`, ``jzero.watchdog``): a process stuck in one phase of a step exits with
+`jzero.runtime.progress.EXIT_STALLED`, naming itself, the phase and the process that holds the run up;
 stack dumps go to ``OUT/watchdog`` and progress reports to ``OUT/progress``.
 """
 from __future__ import annotations
@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any
 from jzero.cli.common import UsageError, add_config_arguments, read_overridden, simulate_devices
 
 if TYPE_CHECKING:
-    from jzero.checkpoint import Checkpointer
     from jzero.config import Config
-    from jzero.watchdog import Unwatched, Watchdog
+    from jzero.runtime.checkpoint import Checkpointer
+    from jzero.runtime.watchdog import Unwatched, Watchdog
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -44,8 +44,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jzero import distributed, progress, xla_flags
-    from jzero.resolve import load_config
+    from jzero.runtime import distributed, progress, xla_flags
+    from jzero.train.resolve import load_config
 
     raw = read_overridden(args.config, args.set)
     setting = distributed.settings(args.coordinator, args.num_processes, args.process_id)
@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     startup = config.jzero.watchdog.startup_timeout
     distributed.initialize(setting, startup, progress.folder(args.out))
     if auto_lr:
-        from jzero import lrfind
+        from jzero.analysis import lrfind
 
         t0 = time.perf_counter()
         test = lrfind.range_test(raw, steps=auto_lr)
@@ -76,8 +76,8 @@ def run(args: argparse.Namespace) -> int:
 
     import jax
 
-    from jzero import watchdog
-    from jzero.checkpoint import Checkpointer
+    from jzero.runtime import watchdog
+    from jzero.runtime.checkpoint import Checkpointer
 
     out = Path(args.out)
     checkpoints = out / "checkpoints"
@@ -125,9 +125,10 @@ def _train(config: Config, out: Path, checkpointer: Checkpointer, watch: Watchdo
     import jax
     from rich.markup import escape
 
-    from jzero import distributed, profile
-    from jzero.engine import Engine
-    from jzero.monitor import Monitor
+    from jzero.analysis import profile
+    from jzero.runtime import distributed
+    from jzero.runtime.engine import Engine
+    from jzero.runtime.monitor import Monitor
 
     say = print if distributed.is_primary() else _silent
     engine = Engine(config, checkpointer, watch)

@@ -1,6 +1,6 @@
-"""``jzero tune lr CONFIG``: the learning-rate range test (`jzero.lrfind`): a suggestion, a plot
+"""``jzero tune lr CONFIG``: the learning-rate range test (`jzero.analysis.lrfind`): a suggestion, a plot
 and a config with the lr and its warmup. ``jzero tune batch CONFIG --memory-budget GiB``: the
-largest micro-batch per device whose compiled step fits the budget (`jzero.tune`), the
+largest micro-batch per device whose compiled step fits the budget (`jzero.analysis.tune`), the
 accumulation for the configured global batch, measured throughput at the top sizes, and the
 tuned config written under ``--out``."""
 from __future__ import annotations
@@ -37,7 +37,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run_lr(args: argparse.Namespace) -> int:
     raw = config_on_devices(args)
-    from jzero import lrfind
+    from jzero.analysis import lrfind
 
     test = lrfind.range_test(raw, args.min, args.max, args.steps)
     out = Path(args.out)
@@ -63,8 +63,8 @@ def run_batch(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from jzero import tune
-    from jzero.autotune import device_memory_bytes
+    from jzero.analysis import tune
+    from jzero.analysis.autotune import device_memory_bytes
 
     budget = int(args.memory_budget * GiB) if args.memory_budget is not None else device_memory_bytes()
     if budget is None:

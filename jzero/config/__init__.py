@@ -1,15 +1,15 @@
-"""Typed, frozen configuration with DeepSpeed's key names: the schema and its parser.
+"""Config: typed, frozen configuration with DeepSpeed's key names. The schema (here), its parser
+(`typed`), DeepSpeed's elasticity arithmetic (`elastic`) and the `{param: default}` checker
+(`paramtable`). The bottom layer: imports no jzero module outside this package.
 
-The bottom of jzero's import graph: the package imports no jzero module outside itself (its
-`typed`: the generic JSON -> dataclass parser; its `elastic`: DeepSpeed's elasticity
-arithmetic; neither imports any jzero module), so every module can read a `Config` and raise
-`ConfigError` without pulling anything else in. `parse_config` turns a DeepSpeed ``ds_config``
+`typed` and `elastic` import no jzero module at all, so every module can read a `Config` and
+raise `ConfigError` without pulling anything else in. `parse_config` turns a DeepSpeed ``ds_config``
 dict into the dataclasses below: an unknown key or a wrong type raises `ConfigError` with the
 dotted key path and what would be valid; the batch rule (micro x accum x dp = train) is
 resolved against a data-parallel size and re-resolved by `Config.for_dp` when the mesh
 differs. What DeepSpeed features jzero refuses, value ranges, and the sections owned by other
 modules (optimizer, scheduler, remat, model) are checked above this module, by
-`jzero.resolve.load_config`, the public entry point.
+`jzero.train.resolve.load_config`, the public entry point.
 """
 from __future__ import annotations
 
@@ -161,7 +161,7 @@ class ElasticityConfig:
 class MoEConfig:
     """``moe``: DeepSpeed-MoE's layer arguments (`deepspeed.moe.layer.MoE`) for the reference GPT,
     plus the aux-loss coefficient and the MoE layer interval (Megatron-DeepSpeed's
-    ``--moe-loss-coeff`` and ``--expert-interval``). Checked by `jzero.moe.validate`."""
+    ``--moe-loss-coeff`` and ``--expert-interval``). Checked by `jzero.models.moe.validate`."""
 
     enabled: bool = True
     num_experts: int = 8
@@ -234,7 +234,7 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class WatchdogConfig:
-    """``jzero.watchdog`` (`jzero.watchdog`): a process whose phase of a step (data, compute,
+    """``jzero.watchdog`` (`jzero.runtime.watchdog`): a process whose phase of a step (data, compute,
     evaluation, checkpoint) outlasts ``step_timeout`` seconds (default ``"auto"``: 20 x the
     slowest recent step, at least ``min_timeout``) exits naming itself and the process holding the
     run up; multi-process start-up and its first barrier give up after ``startup_timeout``."""

@@ -1,7 +1,10 @@
-"""Reference models by name (``jzero.model.name``): `build` turns a config into a `Model`.
+"""Models: the reference models (`gpt`, `vit`, `clip`, `mlp` on `base`) and what any model is
+built with: `scan_layers` (`layers`), the MoE layer and its gates, `from_linen` / `from_nnx`
+(`adapters`). Imports `jzero.config` and `jzero.zero`.
 
-The one place a config becomes (init_fn, loss_fn, batch shapes) for `jzero train`, estimate,
-autotune and profile; the next reference models plug into `MODELS`.
+`build` turns a config into a `Model` by name (``jzero.model.name``): the one place a config
+becomes (init_fn, loss_fn, batch shapes) for `jzero train`, estimate, autotune and profile;
+the next reference models plug into `MODELS`.
 """
 from __future__ import annotations
 

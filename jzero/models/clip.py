@@ -16,13 +16,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jzero.adapters import from_linen
 from jzero.config import Config, ConfigError
-from jzero.layers import scan_layers
 from jzero.models import vit
+from jzero.models.adapters import from_linen
 from jzero.models.base import Model, from_section
 from jzero.models.gpt import Block
-from jzero.rows import gather_rows, row_offset
+from jzero.models.layers import scan_layers
+from jzero.zero.rows import gather_rows, row_offset
 
 _init = nn.initializers.normal(0.02)
 

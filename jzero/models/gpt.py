@@ -1,9 +1,9 @@
 """A GPT decoder (pre-LN, causal attention, learned or rotary positions, optional tied
-embeddings) built on `jzero.layers.scan_layers`. Params are fp32; the training step casts them
+embeddings) built on `jzero.models.layers.scan_layers`. Params are fp32; the training step casts them
 to the compute dtype, so the model itself has no dtype switches.
 
 With a ``moe`` config section every ``expert_interval``-th block's feed-forward is a
-Mixture-of-Experts layer (`jzero.moe`): the stack scans units of ``expert_interval - 1`` dense
+Mixture-of-Experts layer (`jzero.models.moe`): the stack scans units of ``expert_interval - 1`` dense
 blocks and one MoE block, carrying the MoE statistics beside the hidden state; the loss adds
 ``aux_loss_coef`` x the aux loss summed over MoE layers (Megatron-DeepSpeed's rule).
 """
@@ -21,12 +21,12 @@ import numpy as np
 import optax
 from jax.ad_checkpoint import checkpoint_name
 
-from jzero import phase
-from jzero.adapters import from_linen
 from jzero.config import Config, ConfigError, ModelConfig
-from jzero.layers import scan_layers
+from jzero.models.adapters import from_linen
 from jzero.models.base import Model, from_section
-from jzero.moe import MoE, MoESpec, MoEStats, spec_from_config
+from jzero.models.layers import scan_layers
+from jzero.models.moe import MoE, MoESpec, MoEStats, spec_from_config
+from jzero.zero import phase
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,7 @@ def _rotary(x: jax.Array) -> jax.Array:
 class Block(nn.Module):
     """Pre-LN transformer block; ``cfg`` needs n_heads, d_ff and positions (ViT and CLIP reuse it,
     unmasked for images). With ``moe`` its feed-forward is that MoE layer and it maps
-    ``(x, stats) -> (x, stats + this layer's)`` (`jzero.moe.MoEStats`)."""
+    ``(x, stats) -> (x, stats + this layer's)`` (`jzero.models.moe.MoEStats`)."""
 
     cfg: Any
     causal: bool = True

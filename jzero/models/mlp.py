@@ -1,6 +1,6 @@
 """A plain MLP classifier: images flattened, a linear embedding to ``d_model``, ``n_layers``
 residual blocks (LayerNorm, Dense d_model -> d_ff, GELU, Dense back) on
-`jzero.layers.scan_layers`, a final LayerNorm and a linear head. The smallest model every
+`jzero.models.layers.scan_layers`, a final LayerNorm and a linear head. The smallest model every
 ZeRO stage, the lr finder and the tests can train on the digits in seconds.
 """
 from __future__ import annotations
@@ -12,9 +12,9 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from jzero.config import Config
-from jzero.layers import scan_layers
 from jzero.models import vit
 from jzero.models.base import Model, from_section
+from jzero.models.layers import scan_layers
 
 _init = nn.initializers.normal(0.02)
 

@@ -1,6 +1,6 @@
 """A Vision Transformer (Dosovitskiy et al.): square images cut into patches by a strided
 convolution, a class token (or mean pooling), learned positions, pre-LN blocks on
-`jzero.layers.scan_layers` (the GPT's block, unmasked), a final LayerNorm and a linear head.
+`jzero.models.layers.scan_layers` (the GPT's block, unmasked), a final LayerNorm and a linear head.
 ``ViTEncoder`` is the image tower CLIP reuses.
 """
 from __future__ import annotations
@@ -15,11 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jzero.adapters import from_linen
 from jzero.config import Config, ConfigError
-from jzero.layers import scan_layers
+from jzero.models.adapters import from_linen
 from jzero.models.base import Model, from_section
 from jzero.models.gpt import Block
+from jzero.models.layers import scan_layers
 
 _init = nn.initializers.normal(0.02)
 

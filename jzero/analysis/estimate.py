@@ -1,0 +1,171 @@
+"""`jzero estimate`: exact per-device memory and communication of a config, with no hardware.
+
+The train step of the config's reference model is compiled ahead of time on abstract shapes
+(`jzero.abstract_init`: no parameter is allocated) for the requested device count, and
+`jzero.analysis.profile` reads memory, collectives and FLOPs from the executable. The ZeRO paper's and
+DeepSpeed's formulas are printed beside the measurement.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import operator
+import time
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import jax
+
+from jzero import models
+from jzero.analysis import profile
+from jzero.analysis.hlo import DTYPE_BYTES
+from jzero.config import Config
+from jzero.models.moe import DISPATCH
+from jzero.train.resolve import check_zero
+from jzero.train.state import TrainState, abstract_init
+from jzero.train.step import train_step
+from jzero.zero.mesh import EXPERT, FSDP, make_mesh
+from jzero.zero.sharding import ZERO_RULES, is_expert, is_stacked
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Estimate:
+    stage: int
+    accumulation: int
+    mesh: dict[str, int]
+    num_params: int
+    memory: profile.MemoryReport
+    grads_bytes: int  # the gradient buffer per device (full at stages 0-1, else Plan.grads), part of temp
+    comm_elements: int
+    comm_ring_bytes: float
+    flops: float
+    analytic: profile.Analytic
+    compile_s: float
+    all_to_alls: int = 0  # MoE token dispatch: all-to-alls per step
+    all_to_all_bytes: int = 0  # their bytes per device per step
+    wire_bytes: float = 0.0  # ZeRO's collectives, bytes per device per step in the dtype moved
+    unquantized_wire_bytes: float | None = None  # the same step without ZeRO++ quantization
+    widened: tuple[str, ...] = ()  # collectives this backend widens ("reduce-scatter bf16->f32")
+
+    def row(self) -> dict[str, Any]:
+        m, a = self.memory, self.analytic
+        n = self.num_params
+        return {
+            "stage": self.stage,
+            "micro_batches_per_step": self.accumulation,
+            "params_gib": m.params / GiB,
+            "opt_state_gib": m.opt_state / GiB,
+            "grads_gib": self.grads_bytes / GiB,
+            "activations_other_gib": max(0, m.temp - self.grads_bytes) / GiB,
+            "peak_gib": m.peak / GiB,
+            "persistent_bytes_per_param": m.per_param(m.persistent),
+            "device_persistent_bytes_per_param": m.per_param(m.device_persistent),
+            "host_bytes_per_param": m.per_param(m.host),
+            "jzero_formula_bytes_per_param": a.jzero_bytes / n,
+            "zero_paper_gib": a.paper_bytes / GiB,
+            "deepspeed_estimate_gib": a.deepspeed_bytes / GiB,
+            "comm_elements_per_param": self.comm_elements / n,
+            "deepspeed_comm_per_param": a.comm_elements / n,
+            "comm_ring_gib": self.comm_ring_bytes / GiB,
+            "wire_gib": self.wire_bytes / GiB,
+            **self._quantized(),
+            "tflops_per_step": self.flops / 1e12,
+            "compile_s": self.compile_s,
+            **self._experts(),
+        }
+
+    def _quantized(self) -> dict[str, Any]:
+        """ZeRO++: the wire against the unquantized step's, and what the backend widened (its
+        bytes are counted as moved, not as the program asks)."""
+        out: dict[str, Any] = {}
+        if self.unquantized_wire_bytes:
+            out = {"unquantized_wire_gib": self.unquantized_wire_bytes / GiB,
+                   "wire_vs_unquantized": self.wire_bytes / self.unquantized_wire_bytes}
+        if self.widened:
+            out["widened_by_backend"] = ", ".join(self.widened)
+        return out
+
+    def _experts(self) -> dict[str, float]:
+        """MoE models: the per-device state split into expert and non-expert bytes."""
+        m = self.memory
+        if not m.expert_params:
+            return {}
+        return {"all_to_alls_per_step": self.all_to_alls, "all_to_all_gib": self.all_to_all_bytes / GiB,
+                "expert_params_gib": m.expert_params / GiB, "expert_opt_state_gib": m.expert_opt_state / GiB,
+                "non_expert_params_gib": (m.params - m.expert_params) / GiB,
+                "non_expert_opt_state_gib": (m.opt_state - m.expert_opt_state) / GiB}
+
+
+class CompiledStep(NamedTuple):
+    compiled: Any  # the executable
+    state: TrainState  # the abstract state it was compiled for (ShapeDtypeStructs with shardings)
+    batch: dict[str, jax.ShapeDtypeStruct]
+    model: models.Model
+    compile_s: float
+
+
+def compile_step(config: Config) -> CompiledStep:
+    """The config's training step compiled on abstract shapes for its reference model; nothing
+    is allocated."""
+    model = models.build(config)
+    state = abstract_init(model.init_fn, config, loss_fn=model.loss_fn, mesh=make_mesh(config))
+    batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=state.plan.batch)
+             for k, v in model.batch_spec(state.config.train_batch_size).items()}
+    t0 = time.perf_counter()
+    compiled = train_step.lower(state, batch).compile()
+    return CompiledStep(compiled, state, batch, model, time.perf_counter() - t0)
+
+
+def estimate(config: Config, stage: int | None = None) -> Estimate:
+    """Compile the config's training step at ``stage`` (default: the config's) and measure it."""
+    if stage is not None:
+        config = dataclasses.replace(config, zero_optimization=dataclasses.replace(
+            config.zero_optimization, stage=stage))
+        check_zero(config.zero_optimization)
+    compiled, state, _, _, compile_s = compile_step(config)
+    cfg, mesh = state.config, state.plan.mesh
+    mem = profile.memory(compiled)
+    comm = profile.comm(compiled)
+    # Stages 0-1 hold each device's full, unreduced gradient until the step's one reduction.
+    layouts = [None] * len(jax.tree.leaves(state.params)) if ZERO_RULES[cfg.zero_optimization.stage].reduce_once \
+        else jax.tree.leaves(state.plan.grads)
+    grads = sum(profile.shard_bytes(x.shape, x.dtype, s)
+                for x, s in zip(jax.tree.leaves(state.params), layouts, strict=True))
+    a2a = [c for c in comm.collectives if DISPATCH in c.op_name and c.group_size > 1]  # MoE's tokens
+    zero = _zero_comm(comm)
+    unquantized = None
+    if cfg.zero_optimization.zero_quantized_weights or cfg.zero_optimization.zero_quantized_gradients:
+        plain = dataclasses.replace(cfg.zero_optimization, zero_quantized_weights=False,
+                                    zero_quantized_gradients=False)
+        plain_step = compile_step(dataclasses.replace(config, zero_optimization=plain)).compiled
+        unquantized = _zero_comm(profile.comm(plain_step)).total_wire_bytes()
+    widened = tuple(sorted({f"{c.kind} {c.dtype}->{c.widened_to}" for c in zero.collectives if c.widened_to}))
+    return Estimate(stage=cfg.zero_optimization.stage, accumulation=cfg.gradient_accumulation_steps,
+                    mesh=dict(mesh.shape), num_params=mem.num_params,
+                    memory=mem, grads_bytes=grads, comm_elements=zero.total_elements(),
+                    comm_ring_bytes=comm.total_ring_bytes(), flops=profile.flops(compiled),
+                    analytic=_analytic(state), compile_s=compile_s, all_to_alls=sum(c.count for c in a2a),
+                    all_to_all_bytes=sum(c.elements * DTYPE_BYTES.get(c.dtype, 4) * c.count for c in a2a),
+                    wire_bytes=zero.total_wire_bytes(), unquantized_wire_bytes=unquantized, widened=widened)
+
+
+def _zero_comm(comm: profile.CommReport) -> profile.CommReport:
+    """ZeRO's collectives: all but MoE's token all-to-alls."""
+    return profile.CommReport(tuple(c for c in comm.collectives if DISPATCH not in c.op_name and c.group_size > 1))
+
+
+def _analytic(state: TrainState) -> profile.Analytic:
+    """The formulas for the state's params: non-expert params over the ZeRO group of
+    ("fsdp", "expert"), each device's E / ep_size experts over "fsdp" (`jzero.zero.sharding`)."""
+    cfg, mesh = state.config, state.plan.mesh
+    leaves = jax.tree_util.tree_flatten_with_path(state.params)[0]
+    layer = sum(math.prod(x.shape[1:]) for path, x in leaves if is_stacked(path))  # DeepSpeed's largest layer
+    expert = sum(math.prod(x.shape) for path, x in leaves if is_expert(path)) // mesh.shape[EXPERT]
+    dense = sum(math.prod(x.shape) for _, x in leaves) - expert * mesh.shape[EXPERT]
+    parts = [profile.analytic(n, cfg.zero_optimization.stage, group, largest_layer_params=layer,
+                              accumulation=cfg.gradient_accumulation_steps, offload=state.plan.offload is not None)
+             for n, group in ((dense, mesh.shape[FSDP] * mesh.shape[EXPERT]), (expert, mesh.shape[FSDP])) if n]
+    return functools.reduce(operator.add, parts)

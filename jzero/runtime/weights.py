@@ -1,0 +1,105 @@
+"""Consolidated weights: a checkpoint's params as one safetensors file, and back.
+
+`export` streams leaf by leaf: the header is written from the checkpoint's record (names, shapes,
+dtypes), then each leaf is read from the checkpoint as a host array, checked against its
+checksum, cast and appended, so peak host memory is about the largest leaf, not the model
+(DeepSpeed's zero_to_fp32 holds the whole model). The safetensors library cannot write a file
+piece by piece, so the writer is ours (the format is an 8-byte length, a JSON header and raw
+little-endian bytes); reading uses the library (memory-mapped, no pickle). Tensor names are the
+param tree's dotted paths (``blocks.stacked.mlp.fc.kernel``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from jzero.runtime.checkpoint import Checkpointer, CheckpointError
+from jzero.zero import treepath
+
+DTYPES = {"fp32": np.dtype(np.float32), "bf16": np.dtype(ml_dtypes.bfloat16)}
+SAFETENSORS_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
+                      "int32": "I32", "int16": "I16", "int8": "I8", "uint64": "U64", "uint32": "U32", "uint16": "U16",
+                      "uint8": "U8", "bool": "BOOL"}
+_ALIGN = 8
+
+
+def resolve(checkpoint: str | os.PathLike) -> tuple[Checkpointer, int]:
+    """A checkpoint directory (its newest readable step) or one step directory in it."""
+    path = Path(checkpoint)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such checkpoint directory")
+    if re.fullmatch(r"\d+", path.name) and (path / "record").is_dir():
+        return Checkpointer(path.parent), int(path.name)
+    ckpt = Checkpointer(path)
+    for step in reversed(ckpt.all_steps()):
+        try:
+            ckpt.record(step)
+            return ckpt, step
+        except CheckpointError:
+            continue
+    raise CheckpointError(f"{path}: no readable checkpoint (expected a jzero checkpoint directory or one step in it)")
+
+
+def export(checkpoint: str | os.PathLike, out: str | os.PathLike, dtype: str | None = None) -> dict[str, Any]:
+    """Write the params of ``checkpoint`` to ``out`` (.safetensors); floating leaves cast to
+    ``dtype`` ("fp32" or "bf16"; default: as saved). Returns what was written (for a summary)."""
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
+    ckpt, step = resolve(checkpoint)
+    leaves = {name: leaf for name, leaf in ckpt.record(step)["leaves"].items() if name.startswith("params/")}
+    layout, offset = {}, 0
+    for name, leaf in leaves.items():
+        out_dtype = _cast_dtype(np.dtype(leaf["dtype"]), dtype)
+        size = int(np.prod(leaf["shape"])) * out_dtype.itemsize
+        layout[name] = (_tensor_name(name), out_dtype, leaf["shape"], offset, offset + size)
+        offset += size
+    header = {"__metadata__": {"format": "jzero", "source": str(ckpt.directory), "step": str(step)}}
+    header.update({key: {"dtype": SAFETENSORS_DTYPES[dt.name], "shape": list(shape), "data_offsets": [begin, end]}
+                   for key, dt, shape, begin, end in layout.values()})
+    out = Path(out)
+    tmp = out.with_name(out.name + ".tmp")
+    try:
+        with open(tmp, "wb") as f:
+            _write_header(f, header)
+            for name, (_, out_dtype, _, _, _) in layout.items():
+                np.ascontiguousarray(ckpt.read_array(step, name).astype(out_dtype, copy=False)).tofile(f)
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return {"step": step, "tensors": len(layout), "bytes": offset, "path": str(out)}
+
+
+def load_params(path: str | os.PathLike) -> dict[str, Any]:
+    """An exported safetensors file as a nested dict of numpy arrays: pass it to
+    ``jzero.init(..., params=...)`` to start training (or evaluating) from it."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such safetensors file")
+    with safe_open(str(path), framework="numpy") as f:
+        named = {key.replace(".", treepath.SEP): f.get_tensor(key) for key in f.keys()}
+    return treepath.nest(named)
+
+
+def _tensor_name(name: str) -> str:
+    return name.removeprefix("params/").replace(treepath.SEP, ".")
+
+
+def _cast_dtype(saved: np.dtype, dtype: str | None) -> np.dtype:
+    floating = np.issubdtype(saved, np.floating) or saved == DTYPES["bf16"]
+    return DTYPES[dtype] if dtype is not None and floating else saved
+
+
+def _write_header(f: Any, header: dict[str, Any]) -> None:
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-(len(text) + 8) % _ALIGN)
+    f.write(struct.pack("<Q", len(text)))
+    f.write(text)

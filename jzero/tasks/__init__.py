@@ -1,0 +1,152 @@
+"""Tasks: a reference model with its data. `Task` (here), token data (`text`), image data
+(`images`): global batches as a pure function of seed, split and step, held-out metrics, a
+preview. Imports `jzero.config`, `jzero.zero`, `jzero.models` and `jzero.train`.
+
+One task per reference model (`TASKS`, keyed by ``jzero.model.name``): language modelling for
+the GPT, image classification for the ViT and the MLP, contrastive image-text training for CLIP. The
+engine and the CLI see only `Task`.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+
+from jzero import models
+from jzero.config import Config, ConfigError
+from jzero.models import clip, gpt
+from jzero.tasks import images, text
+from jzero.train.state import TrainState, device_params
+
+SAMPLE_PROMPT = b"def "
+SAMPLE_TOKENS = 160
+PREVIEW = 16  # held-out examples a vision preview shows
+
+
+@dataclass(frozen=True)
+class Task:
+    """``batch(split, step, batch_size, sharding)``: a global batch; ``evaluate(state)``: the
+    task's held-out metrics (named ``metrics``), besides the held-out loss every task has;
+    ``preview(state)``: a few lines showing what the model does (``preview_title`` names them)."""
+
+    model: models.Model
+    describe: str
+    batch: Callable[[str, int, int, NamedSharding], dict]
+    evaluate: Callable[[TrainState], dict[str, float]]
+    preview: Callable[[TrainState], str]
+    preview_title: str
+    metrics: tuple[str, ...] = ()
+
+
+def build(config: Config) -> Task:
+    """The task of the config's model (``jzero.model.name``), with its data loaded and checked."""
+    model = models.build(config)
+    return TASKS[model.name](config, model)
+
+
+def language(config: Config, model: models.Model) -> Task:
+    corpus = text.load_corpus(config.jzero.data)
+    cfg = model.spec
+    if corpus.vocab_size > cfg.vocab_size:
+        raise ConfigError(f"jzero.model.vocab_size: {cfg.vocab_size} is smaller than the data's "
+                          f"vocabulary ({corpus.vocab_size} in {corpus.source})")
+
+    def batch(split: str, step: int, batch_size: int, sharding: NamedSharding) -> dict:
+        tokens = corpus.train if split == "train" else corpus.heldout
+        return text.global_batch(tokens, config.seed, split, step, batch_size, cfg.seq_len, sharding)
+
+    def preview(state: TrainState) -> str:
+        prompt = jnp.asarray(np.frombuffer(SAMPLE_PROMPT, np.uint8).astype(np.int32))
+        tokens = gpt.generate(cfg, device_params(state), prompt, SAMPLE_TOKENS, jax.random.key(config.seed))
+        if corpus.vocab_size != 256:
+            return " ".join(map(str, jax.device_get(tokens).tolist()))
+        return (SAMPLE_PROMPT + bytes(np.asarray(tokens, np.uint8))).decode("utf-8", errors="replace")
+
+    return Task(model, text.describe(corpus), batch, lambda state: {}, preview, "sample (temperature 0.8)")
+
+
+def _images(config: Config, cfg: Any) -> images.Images:
+    found = images.load_images(config.jzero.data)
+    h, w, c = found.train.shape[1:]
+    if (h, w, c) != (cfg.image_size, cfg.image_size, cfg.channels):
+        raise ConfigError(f"jzero.model.image_size / channels: the model takes {cfg.image_size}x{cfg.image_size}x"
+                          f"{cfg.channels} images, {found.source} has {h}x{w}x{c}")
+    return found
+
+
+def classification(config: Config, model: models.Model) -> Task:
+    cfg = model.spec
+    found = _images(config, cfg)
+    if len(found.class_names) > cfg.num_classes:
+        raise ConfigError(f"jzero.model.num_classes: {cfg.num_classes}, but {found.source} has "
+                          f"{len(found.class_names)} classes")
+
+    def predict(state: TrainState) -> np.ndarray:
+        return np.asarray(jnp.argmax(model.forward(device_params(state), found.heldout), axis=-1))
+
+    def evaluate(state: TrainState) -> dict[str, float]:
+        return {"eval_accuracy": float(np.mean(predict(state) == found.heldout_labels))}
+
+    def preview(state: TrainState) -> str:
+        pred, true = predict(state)[:PREVIEW], found.heldout_labels[:PREVIEW]
+        return (f"predicted {' '.join(found.class_names[i] for i in pred)}\n"
+                f"true      {' '.join(found.class_names[i] for i in true)}")
+
+    def batch(split: str, step: int, size: int, sharding: NamedSharding) -> dict:
+        return images.global_batch(found, config.seed, split, step, size, sharding)
+
+    return Task(model, images.describe(found), batch, evaluate, preview, f"held-out predictions (first {PREVIEW})",
+                ("eval_accuracy",))
+
+
+def contrastive(config: Config, model: models.Model) -> Task:
+    cfg = model.spec
+    found = _images(config, cfg)
+    module = clip.CLIP(cfg)
+    encode_image = jax.jit(lambda p, x: module.apply({"params": p}, x, method=clip.CLIP.encode_image))
+    encode_text = jax.jit(lambda p, t: module.apply({"params": p}, t, method=clip.CLIP.encode_text))
+    names = found.class_names
+
+    def texts(strings: list[str]) -> np.ndarray:
+        return np.stack([images.encode_text(s, cfg.text_len) for s in strings])
+
+    def zero_shot(params: Any, img: np.ndarray) -> np.ndarray:
+        """Class scores: each class's prompts (every template) embedded, averaged, renormalised."""
+        prompts = texts([images.caption(n, t) for n in names for t in range(len(images.TEMPLATES))])
+        classes = np.asarray(encode_text(params, prompts)).reshape(len(names), len(images.TEMPLATES), -1).mean(1)
+        classes /= np.linalg.norm(classes, axis=-1, keepdims=True)
+        return img @ classes.T
+
+    def evaluate(state: TrainState) -> dict[str, float]:
+        params = device_params(state)
+        img = np.asarray(encode_image(params, found.heldout))
+        labels = found.heldout_labels
+        captions = texts([images.caption(names[y], i) for i, y in enumerate(labels)])
+        sim = img @ np.asarray(encode_text(params, captions)).T
+        # Captions of one class can coincide, so a retrieval counts when its class is right.
+        return {"zeroshot_accuracy": float(np.mean(zero_shot(params, img).argmax(1) == labels)),
+                "i2t_recall1": float(np.mean(labels[sim.argmax(1)] == labels)),
+                "t2i_recall1": float(np.mean(labels[sim.argmax(0)] == labels))}
+
+    def preview(state: TrainState) -> str:
+        params = device_params(state)
+        img = np.asarray(encode_image(params, found.heldout[:PREVIEW]))
+        pred, true = zero_shot(params, img).argmax(1), found.heldout_labels[:PREVIEW]
+        return (f"zero-shot {' '.join(names[i] for i in pred)}\n"
+                f"true      {' '.join(names[i] for i in true)}")
+
+    def batch(split: str, step: int, size: int, sharding: NamedSharding) -> dict:
+        return images.global_batch(found, config.seed, split, step, size, sharding, text_len=cfg.text_len)
+
+    return Task(model, images.describe(found), batch, evaluate, preview,
+                f"zero-shot held-out predictions (first {PREVIEW})",
+                ("zeroshot_accuracy", "i2t_recall1", "t2i_recall1"))
+
+
+TASKS: dict[str, Callable[[Config, models.Model], Task]] = {
+    "gpt": language, "vit": classification, "mlp": classification, "clip": contrastive}

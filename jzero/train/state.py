@@ -1,0 +1,151 @@
+"""`TrainState` and `init`: a born-sharded training state.
+
+Params are created by ``jit(init_fn, out_shardings=plan.params)``, so each device computes only
+its own shard (JAX's partitionable threefry gives the same values as an unsharded init); the
+optimizer state is created the same way under ``plan.opt_state``.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import struct
+from jax.sharding import Mesh
+
+from jzero.config import Config, ConfigError
+from jzero.train.resolve import offload_kinds, resolve_auto_sizes
+from jzero.zero import optim, precision, sharding, treepath
+from jzero.zero.mesh import data_parallel_size, make_mesh
+
+LossFn = Callable[[Any, Any, jax.Array], Any]
+
+
+class TrainState(struct.PyTreeNode):
+    """Everything a step reads and writes. Array fields are sharded per ``plan``.
+
+    ``loss_scale`` holds the fp16 dynamic loss-scaler state (None when fp16 is off).
+    Static fields (loss_fn, tx, plan, config) are compared by identity by ``jax.jit``.
+    """
+
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    rng: jax.Array
+    loss_scale: Any
+    loss_fn: LossFn = struct.field(pytree_node=False)
+    tx: optax.GradientTransformation = struct.field(pytree_node=False)
+    plan: sharding.Plan = struct.field(pytree_node=False)
+    config: Config = struct.field(pytree_node=False)
+
+
+def init(init_fn: Callable[[jax.Array], Any], config: Config, *, loss_fn: LossFn,
+         rng: jax.Array | int, mesh: Mesh | None = None, model_specs: Any = None, params: Any = None) -> TrainState:
+    """Build a sharded TrainState: ``init_fn(rng) -> params``; ``loss_fn(params, batch, rng)``.
+
+    ``loss_fn`` returns a scalar loss or ``(loss, aux)``. Floating params are kept in fp32
+    (the master copy) whatever ``init_fn`` returns. ``model_specs`` is an optional tree of
+    PartitionSpecs the model already uses (kept; ZeRO adds "fsdp" to a free dimension).
+    ``params`` starts from given values (e.g. `jzero.load_params`) instead of ``init_fn``'s: they
+    are matched to ``init_fn``'s tree by leaf name and shape, and each device reads its shard.
+    """
+    prep = _prepare(init_fn, config, rng, mesh, model_specs)
+    plan = prep.plan
+    if params is None:
+        params = jax.jit(prep.make_params, out_shardings=plan.params)(prep.key)
+    else:
+        params = _place(params, jax.eval_shape(prep.make_params, prep.key), plan.params)
+    opt_state = jax.jit(prep.tx.init, out_shardings=plan.opt_state)(params)
+    step_rng = replicated(lambda k: jax.random.fold_in(k, 1), plan, prep.key)
+    scaler = precision.loss_scaler(prep.config)
+    loss_scale = None if scaler is None else replicated(scaler.init, plan)
+    return TrainState(step=replicated(lambda: jnp.zeros((), jnp.int32), plan), params=params,
+                      opt_state=opt_state, rng=step_rng, loss_scale=loss_scale, loss_fn=loss_fn, tx=prep.tx,
+                      plan=plan, config=prep.config)
+
+
+def device_params(state: TrainState) -> Any:
+    """The (fp32 master) params in device memory, for code outside the step that reads them
+    (sampling, a hand-written evaluation): offloaded params are copied to the device, others
+    returned as they are."""
+    if state.plan.offload is None:
+        return state.params
+    return jax.device_put(state.params, jax.tree.map(lambda s: s.with_memory_kind("device"), state.plan.params))
+
+
+def replicated(fn: Callable[..., Any], plan: sharding.Plan, *args: Any) -> Any:
+    """``fn(*args)`` computed as replicated arrays on the plan's mesh. Not `jax.device_put`:
+    that needs every device addressable, which a multi-process mesh is not."""
+    return jax.jit(fn, out_shardings=plan.replicated)(*args)
+
+
+def abstract_init(init_fn: Callable[[jax.Array], Any], config: Config, *, loss_fn: LossFn,
+                  mesh: Mesh | None = None, model_specs: Any = None) -> TrainState:
+    """The TrainState `init` would build, as `jax.ShapeDtypeStruct`s carrying the Plan's
+    shardings: nothing is allocated, so ``train_step.lower(state, batch)`` plans any size."""
+    prep = _prepare(init_fn, config, 0, mesh, model_specs)
+    plan = prep.plan
+
+    def abstract(tree, shardings):
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+    params_shape = jax.eval_shape(prep.make_params, prep.key)
+    rng_shape = jax.eval_shape(lambda k: jax.random.fold_in(k, 1), prep.key)
+    scaler = precision.loss_scaler(prep.config)
+    loss_scale = None if scaler is None else abstract(jax.eval_shape(scaler.init),
+                                                       jax.tree.map(lambda _: plan.replicated, scaler.init()))
+    return TrainState(step=jax.ShapeDtypeStruct((), jnp.int32, sharding=plan.replicated),
+                      params=abstract(params_shape, plan.params),
+                      opt_state=abstract(jax.eval_shape(prep.tx.init, params_shape), plan.opt_state),
+                      rng=jax.ShapeDtypeStruct(rng_shape.shape, rng_shape.dtype, sharding=plan.replicated),
+                      loss_scale=loss_scale, loss_fn=loss_fn, tx=prep.tx, plan=plan, config=prep.config)
+
+
+def _place(values: Any, shapes: Any, shardings: Any) -> Any:
+    """Given host values laid out as ``shapes`` (matched by leaf name) under ``shardings``."""
+    have = treepath.named_leaves(values)
+    want = treepath.named_leaves(shapes)
+    mismatch = treepath.first_mismatch({n: x.shape for n, x in want.items()},
+                                       {n: np.shape(x) for n, x in have.items()}, "model", "given params")
+    if mismatch:
+        raise ConfigError(f"params: the given params do not fit the model: {mismatch}")
+
+    def put(name: str, shape: jax.ShapeDtypeStruct, sharding: jax.sharding.Sharding) -> jax.Array:
+        value = have[name]
+        return jax.make_array_from_callback(shape.shape, sharding,
+                                            lambda index: np.asarray(value[index]).astype(shape.dtype))
+
+    return treepath.fill(shapes, {n: put(n, want[n], s) for n, s in treepath.named_leaves(shardings).items()})
+
+
+class _Prepared(NamedTuple):
+    config: Config
+    key: jax.Array
+    tx: optax.GradientTransformation
+    make_params: Callable[[jax.Array], Any]
+    plan: sharding.Plan
+
+
+def _prepare(init_fn, config, rng, mesh, model_specs) -> _Prepared:
+    """Resolve the config for the mesh, build the optimizer and the Plan from params' shapes."""
+    mesh = mesh if mesh is not None else make_mesh(config)
+    config = config.for_dp(data_parallel_size(mesh))
+    key = jax.random.key(rng) if isinstance(rng, int) else rng
+    pol = precision.policy(config)
+
+    def make_params(k):
+        return precision.cast_floating(init_fn(k), pol.param_dtype)
+
+    params_shape = jax.eval_shape(make_params, key)
+    if not jax.tree.leaves(params_shape):
+        raise ConfigError("init_fn returned no parameters (an empty pytree)")
+    config = resolve_auto_sizes(config, params_shape)
+    opt = optim.build(config)
+    offload, offload_params = offload_kinds(config.zero_optimization)
+    plan = sharding.plan(params_shape, opt.tx, mesh, config.zero_optimization.stage,
+                         persistence_threshold=config.zero_optimization.stage3_param_persistence_threshold,
+                         model_specs=model_specs, offload=offload, offload_params=offload_params)
+    return _Prepared(config, key, opt.tx, make_params, plan)

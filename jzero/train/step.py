@@ -1,0 +1,271 @@
+"""`train_step`: one jitted, donated, sharded optimizer step with gradient accumulation.
+
+The global batch (leading dim = ``train_batch_size``) is split into
+``gradient_accumulation_steps`` micro-batches without moving data between devices: micro-batch
+k takes the k-th chunk of every device's slice. Gradients are accumulated by ``lax.scan`` in
+``data_types.grad_accum_dtype`` (fp32) and reduced where the ZeRO table says
+(`jzero.zero.sharding.ZERO_RULES`): stages 0-1 keep each device's gradients unreduced until the last
+micro-batch and reduce once (`_reduced_once`); stages 2-3 reduce every micro-batch, each layer's
+gradient reduce-scattered inside the backward pass, into a sharded accumulator. The update runs
+where the optimizer state lives (sharded for stage >= 1) and the new params are re-laid out per
+the Plan (an all-gather at stages 1-2). Every output is pinned to the Plan, so the state keeps
+its sharding step after step.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.experimental.compute_on import compute_on
+from jax.sharding import PartitionSpec as P
+
+from jzero.train.state import TrainState
+from jzero.zero import fused, hooks, optim, phase, precision
+from jzero.zero.mesh import DATA_AXES, data_parallel_size
+from jzero.zero.rows import split_over
+from jzero.zero.sharding import ZERO_RULES
+
+_constrain = jax.lax.with_sharding_constraint
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def train_step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
+    """One optimizer step on ``batch`` (a pytree, leading dim = the global batch).
+
+    Returns the new state and metrics: ``loss`` (mean over the global batch), ``grad_norm``
+    (global L2 norm before clipping), ``lr`` (the lr applied) and ``aux`` when the loss has one.
+    """
+    cfg, plan = state.config, state.plan
+    _check_batch(batch, cfg.train_batch_size)
+    batch = _constrain(batch, jax.tree.map(lambda _: plan.batch, batch))
+    rng = jax.random.fold_in(state.rng, state.step)
+    scaler = precision.loss_scaler(cfg)
+    scale = state.loss_scale.scale if scaler is not None else jnp.float32(1.0)
+    loss, aux, grads = _accumulated_grads(state, _compute_params(state), batch, rng, scale)
+    scaled_norm = optax.tree.norm(grads)  # the one global reduction: also the overflow check
+    grad_norm = scaled_norm / scale
+    divisor = scale
+    if cfg.gradient_clipping > 0:
+        # DeepSpeed folds clipping into unscaling: clip = (norm + 1e-6) / max_norm, applied if > 1.
+        clip = (grad_norm + 1e-6) / cfg.gradient_clipping
+        divisor = jnp.where(clip > 1, clip * scale, scale)
+    # An fp16 overflow anywhere (the norm is not finite) skips the step on every device: params
+    # and optimizer state (and so the LR schedule's count) stay bit-identical.
+    overflow = ~jnp.isfinite(scaled_norm) if scaler is not None else jnp.bool_(False)
+    with jax.named_scope("optimizer"):
+        if plan.offload is None:
+            params, opt_state = _apply_update(state, grads, divisor, overflow)
+        else:  # ZeRO-Offload: the gradient shards go to the host, which updates its master copy
+            grads = jax.device_put(grads, plan.update)
+            divisor, overflow = jax.device_put((divisor, overflow), plan.replicated.with_memory_kind(plan.offload))
+            with compute_on("device_host"):
+                params, opt_state = _apply_update(state, grads, divisor, overflow)
+            params, opt_state = jax.device_put((params, opt_state), (plan.params, plan.opt_state))  # scalars too
+    loss_scale = state.loss_scale
+    metrics = {"loss": loss, "grad_norm": grad_norm}
+    if scaler is not None:
+        loss_scale = scaler.update(state.loss_scale, overflow)
+        metrics.update(loss_scale=state.loss_scale.scale, skipped=overflow, skipped_total=loss_scale.skipped,
+                       loss_scale_at_min=state.loss_scale.scale <= scaler.min_scale)
+    metrics["lr"] = opt_state.hyperparams["learning_rate"]
+    if aux is not None:
+        metrics["aux"] = aux
+    return state.replace(step=state.step + 1, params=params, opt_state=opt_state, loss_scale=loss_scale), metrics
+
+
+def _apply_update(state: TrainState, grads: Any, divisor: jax.Array, overflow: jax.Array) -> tuple[Any, Any]:
+    """(new params, new opt_state), laid out per the Plan: the update runs in each param's
+    optimizer-state layout and the new params are moved back to the stored layout (the
+    all-gather of stages 1-2). On an fp16 overflow both stay as they were."""
+    plan = state.plan
+    is_fused = optim.fused_backend(state.config) is not None
+    grads, params = _constrain(grads, plan.update), _constrain(state.params, plan.update)
+    params, opt_state = _update(state, grads, params, divisor, overflow, is_fused)
+    params, opt_state = _constrain(params, plan.params), _constrain(opt_state, plan.opt_state)
+    if precision.loss_scaler(state.config) is not None:
+        def keep_on_overflow(old, new):  # the fused kernel already kept its arrays
+            return new if is_fused and new.ndim else jnp.where(overflow, old, new)
+
+        if not is_fused:
+            params = jax.tree.map(keep_on_overflow, state.params, params)
+        opt_state = jax.tree.map(keep_on_overflow, state.opt_state, opt_state)
+    return params, opt_state
+
+
+def _update(state: TrainState, grads: Any, params: Any, divisor: jax.Array, overflow: jax.Array,
+            is_fused: bool) -> tuple[Any, Any]:
+    """(new params, new opt_state): the fused kernel (divides, skips and updates in place), or
+    the optax transformation on grads divided by ``divisor``."""
+    cfg = state.config
+    if is_fused:
+        return fused.apply(state.tx, grads, state.opt_state, params, grad_divisor=divisor, skip=overflow,
+                           layout=state.plan.update)
+    if precision.loss_scaler(cfg) is not None or cfg.gradient_clipping > 0:
+        grads = jax.tree.map(lambda g: g / divisor.astype(g.dtype), grads)
+    updates, opt_state = state.tx.update(grads, state.opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+
+def _compute_params(state: TrainState) -> Any:
+    """The params forward and backward read, in ``plan.compute``: the stored fp32 params, or
+    under ZeRO-Offload their cast to the compute dtype, made on the host from the master copy
+    and moved to the device (the all-gather of the new params of stages 1-2), or left on the
+    host with offload_param, for the hooks to bring one layer at a time."""
+    plan = state.plan
+    if plan.offload is None:
+        return state.params
+    with compute_on("device_host"):
+        low = precision.cast_floating(state.params, precision.policy(state.config).compute_dtype)
+    return _constrain(jax.device_put(low, plan.compute), plan.compute)
+
+
+def _loss_and_aux(state: TrainState, params: Any, batch: Any, rng: jax.Array, scale: Any = 1.0,
+                  ctx: hooks.HookContext | None = None):
+    """The user's loss on params in the compute dtype: cast here, or by the hooks of ``ctx``
+    (`hooks.bind`, stages 2-3: after the reduce-scatter in backward, so gradients are reduced
+    in the communication dtype)."""
+    if ctx is None:
+        params = precision.cast_floating(params, precision.policy(state.config).compute_dtype)
+    with hooks.active(ctx), split_over(DATA_AXES):
+        out = state.loss_fn(params, batch, rng)
+    if ctx is not None:
+        hooks.check_used(ctx)
+    loss, aux = out if isinstance(out, tuple) else (out, None)
+    loss = loss.astype(jnp.float32)
+    return loss * scale, (loss, aux)
+
+
+def _hooked(state: TrainState) -> Any:
+    """The hook of every leaf at stages that reduce every micro-batch (2-3); None at stages 0-1,
+    whose gradients are reduced once per step."""
+    plan = state.plan
+    if ZERO_RULES[plan.stage].reduce_once:
+        return None
+    return hooks.leaf_hooks(plan.compute, plan.grads)
+
+
+def _local_loss(state: TrainState, hooked: Any, stored: Any, targets: Any, acc: Any, rows: Any, rng: jax.Array,
+                scale: Any):
+    """`_loss_and_aux` of one device's ``rows`` inside the step's ``shard_map``, as a function of
+    ``targets`` (what is differentiated): the params themselves (stages 0-1; with an accumulator
+    ``acc``, stacked leaves add their gradient into it layer by layer: `hooks.bind_accumulators`),
+    or each param's view in the reduced-gradient layout, bound with ``stored`` to its hook
+    (stages 2-3)."""
+    if hooked is None and acc is None:
+        return _loss_and_aux(state, targets, rows, rng, scale)
+    ctx = hooks.HookContext(wire(state.config), on_host=state.plan.compute_on_host)  # this trace's
+    params = (hooks.bind(ctx, hooked, stored, targets) if hooked is not None
+              else hooks.bind_accumulators(ctx, targets, acc))
+    return _loss_and_aux(state, params, rows, rng, scale, ctx)
+
+
+def _accumulated_grads(state: TrainState, stored: Any, batch: Any, rng: jax.Array, scale: Any):
+    """(mean loss, mean aux, mean grads of loss x scale) over the micro-batches, laid out per
+    plan.grads and reduced where the stage's row of the ZeRO table says.
+
+    One ``shard_map`` over the data axes: each device takes the gradients of its own rows,
+    micro-batch by micro-batch, into a local fp32 accumulator. Stages 0-1 (DeepSpeed's rule for
+    them): params typed "varying" (``pcast``) so the gradient stays unreduced, and the
+    accumulator reduced once, in the communication dtype: 2 Psi per step whatever the
+    accumulation, one full fp32 gradient (4 B/param) the price. Stages 2-3: the hooks
+    (`hooks.bind`) reduce-scatter every micro-batch's gradient into the sharded accumulator."""
+    cfg, plan = state.config, state.plan
+    pol = precision.policy(cfg)
+    accum, count = cfg.gradient_accumulation_steps, cfg.gradient_accumulation_steps * data_parallel_size(plan.mesh)
+    hooked = _hooked(state)
+
+    def local(stored, targets, rows, rng, scale):
+        rng = jax.random.fold_in(rng, jax.lax.axis_index(DATA_AXES))  # each device its own dropout
+        if hooked is None:
+            targets = jax.tree.map(hooks.vary, stored)  # local, unreduced gradients
+
+        def grad_fn(mb, r, acc):
+            bound_acc = acc if hooked is None else None
+            (_, (loss, aux)), (grads, acc_grads) = jax.value_and_grad(
+                lambda t, a: _local_loss(state, hooked, stored, t, a, mb, r, scale), argnums=(0, 1),
+                has_aux=True)(targets, bound_acc)
+            grads = precision.cast_floating(grads, pol.grad_accum_dtype)
+            if acc is None:
+                return loss, aux, grads
+            if bound_acc is None:
+                return loss, aux, jax.tree.map(jnp.add, acc, grads)
+            return loss, aux, hooks.add_gradients(acc, grads, acc_grads)
+
+        if accum == 1:
+            loss, aux, acc = grad_fn(rows, rng, None)
+        else:
+            micro = jax.tree.map(lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:]), rows)
+            zeros = jax.tree.map(lambda t: jnp.zeros_like(t, pol.grad_accum_dtype), targets)
+            loss0 = jax.lax.pcast(jnp.zeros((), jnp.float32), DATA_AXES, to="varying")  # a local sum
+            loss, aux, acc = _sum_over_micro_batches(grad_fn, micro, rng, (zeros, loss0))
+        if hooked is None:
+            acc = jax.tree.map(lambda g, s: _reduce_once(g, s.spec, wire(cfg)).astype(g.dtype), acc, plan.grads)
+        aux = None if aux is None else jax.tree.map(lambda a: jax.lax.pmean(a, DATA_AXES), aux)
+        return jax.lax.psum(loss, DATA_AXES) / count, aux, jax.tree.map(lambda g: g / count, acc)
+
+    specs = jax.tree.map(lambda s: s.spec, (plan.compute, plan.grads))
+    return jax.shard_map(local, mesh=plan.mesh, in_specs=(*specs, P(DATA_AXES), P(), P()),
+                         out_specs=(P(), P(), specs[1]))(stored, _targets(state), batch, rng, scale)
+
+
+def _targets(state: TrainState) -> Any:
+    """What the hooks of stages 2-3 send each reduced gradient to: fp32 zeros in the gradient
+    layout (only their type matters; XLA never materializes them)."""
+    return jax.tree.map(lambda p, s: _constrain(jnp.zeros(p.shape, jnp.float32), s), state.params, state.plan.grads)
+
+
+def _sum_over_micro_batches(grad_fn, micro: Any, rng: jax.Array, zeros: Any):
+    """(sum of losses, mean aux, sum of gradients) of ``grad_fn(micro_batch, rng, acc) -> (loss,
+    aux, acc + gradients)`` over the micro-batches (the leading axis of ``micro``), each with its
+    own key, by ``lax.scan`` from ``zeros`` = (gradient accumulator, loss accumulator)."""
+    def body(carry, xs):
+        (mb, i), (acc, loss_sum) = xs, carry
+        loss, aux, acc = grad_fn(mb, jax.random.fold_in(rng, i), acc)
+        return (acc, loss_sum + loss), aux
+
+    steps = jax.tree.leaves(micro)[0].shape[0]
+    (acc, loss_sum), aux = jax.lax.scan(body, zeros, (micro, jnp.arange(steps)))
+    return loss_sum, None if aux is None else jax.tree.map(lambda a: jnp.mean(a, axis=0), aux), acc
+
+
+def _reduce_once(g: jax.Array, spec: P, on_wire: hooks.Wire) -> jax.Array:
+    """A device's accumulated gradient summed over the data devices as ``on_wire`` says, laid
+    out as ``spec``: reduce-scattered along its ZeRO dimension, else all-reduced; fp32 after."""
+    return hooks.reduce(g, hooks.reduction(spec), on_wire)
+
+
+def wire(cfg: Any) -> hooks.Wire:
+    """What the config's collectives move: params in the compute dtype, gradients in
+    ``communication_data_type``; int8 blocks of ``jzero.quantization_block_size`` elements
+    with ZeRO++'s ``zero_quantized_weights`` / ``zero_quantized_gradients``."""
+    pol, zero, block = precision.policy(cfg), cfg.zero_optimization, cfg.jzero.quantization_block_size
+    return hooks.Wire(pol.compute_dtype, pol.comm_dtype, block if zero.zero_quantized_weights else None,
+                      block if zero.zero_quantized_gradients else None)
+
+
+def _check_batch(batch: Any, expected: int) -> None:
+    for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        if x.ndim == 0 or x.shape[0] != expected:
+            raise ValueError(f"batch{jax.tree_util.keystr(path)}: leading dimension must be the global batch "
+                             f"train_batch_size={expected}, got shape {tuple(x.shape)}")
+
+
+@jax.jit
+def eval_step(state: TrainState, batch: Any) -> jax.Array:
+    """The loss of ``state.params`` on ``batch`` (compute dtype, no gradient, no update, layers
+    in evaluation: `jzero.zero.phase`): each device's rows under the step's ``shard_map``, averaged
+    over devices."""
+    plan, hooked = state.plan, _hooked(state)
+
+    def local(stored, targets, rows):
+        params = stored if hooked is None else targets  # what _local_loss reads at this stage
+        with phase.evaluating():
+            loss = _local_loss(state, hooked, stored, params, None, rows, state.rng, 1.0)[1][0]
+        return jax.lax.pmean(loss, DATA_AXES)
+
+    specs = jax.tree.map(lambda s: s.spec, (plan.compute, plan.grads))
+    return jax.shard_map(local, mesh=plan.mesh, in_specs=(*specs, P(DATA_AXES)), out_specs=P())(
+        _compute_params(state), _targets(state), batch)
