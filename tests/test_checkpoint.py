@@ -1,6 +1,7 @@
 """Checkpoints (docs/design.md, "Checkpoints"): restore onto any mesh and stage, exact resume of `jzero train` after
 SIGKILL, SIGTERM saves, a save killed halfway is ignored, damaged files fall back to the previous
 step, and exported safetensors weights give the trained model's logits."""
+import asyncio
 import dataclasses
 import functools
 import pickle
@@ -28,6 +29,7 @@ from jzero.runtime.checkpoint import (
     checksum,
     host_checksum,
 )
+from jzero.runtime.loops import draining
 
 from helpers import (
     FAST,
@@ -257,6 +259,40 @@ def test_damaged_checkpoint_errors_clearly_and_falls_back(two_steps, damage):
     with pytest.warns(CheckpointWarning, match=r"restored step 1 because newer checkpoints are unreadable"):
         state = ckpt.restore(target)
     assert int(state.step) == 1
+
+
+def _gather_with_a_failure(finished: list) -> None:
+    """Orbax's shape of a restore: a fresh loop, one gather over reads, closed after the first
+    failure (`run_until_complete` then `close`)."""
+    async def read(fail):
+        try:
+            await asyncio.sleep(0 if fail else 3600)
+            raise OSError("truncated")
+        finally:
+            finished.append(fail)
+
+    async def restore():
+        await asyncio.gather(read(True), read(False))
+
+    loop = asyncio.new_event_loop()
+    try:
+        with pytest.raises(OSError):
+            loop.run_until_complete(restore())
+    finally:
+        loop.close()
+
+
+def test_a_failed_read_leaves_no_pending_task_behind():
+    """Inside `draining`, the sibling read of a failed gather is cancelled and awaited before
+    the loop closes; outside (the negative control) it is left pending in the closed loop, to
+    be finalised by the garbage collector ("Exception ignored in ..." on stderr)."""
+    policy, finished = asyncio.get_event_loop_policy(), []
+    with draining():
+        _gather_with_a_failure(finished)
+    assert finished == [True, False] and asyncio.get_event_loop_policy() is policy
+    abandoned = []
+    _gather_with_a_failure(abandoned)
+    assert abandoned == [True]
 
 
 # ------------------------------------------------------------------------------------------

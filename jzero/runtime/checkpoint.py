@@ -34,6 +34,7 @@ from jax.experimental.compute_on import compute_on
 
 from jzero.config import Config, ConfigError
 from jzero.runtime import distributed
+from jzero.runtime.loops import draining
 from jzero.train import state as state_lib
 from jzero.zero import precision, treepath
 from jzero.zero.sharding import HOST_KINDS
@@ -308,8 +309,9 @@ class Checkpointer:
     def _load(self, step: int, item: Any, restore_args: Any, partial: bool = False) -> Any:
         handler = ocp.PyTreeCheckpointHandler()
         try:
-            return handler.restore(self.directory / str(step) / STATE, args=ocp.args.PyTreeRestore(
-                item=item, restore_args=restore_args, partial_restore=partial))
+            with draining():  # a failed read leaves no pending task behind (`jzero.runtime.loops`)
+                return handler.restore(self.directory / str(step) / STATE, args=ocp.args.PyTreeRestore(
+                    item=item, restore_args=restore_args, partial_restore=partial))
         except Exception as e:
             reason = _first_line(e).split(" See full TensorStore details")[0]  # the rest is a repr
             raise _Unreadable(f"its arrays are unreadable ({reason})") from None
