@@ -270,8 +270,8 @@ def record(config_path: Path, out: Path | None) -> dict:
         import deepspeed
         import torch
     except ImportError as e:
-        raise SystemExit(f"deepspeed_oracle: {e.name} is not installed; see the README section "
-                         "'Checked against DeepSpeed itself' for the install command") from None
+        raise SystemExit(f"deepspeed_oracle: {e.name} is not installed; see docs/deepspeed.md "
+                         "for the install command") from None
     config = json.loads(config_path.read_text())
     mesh = config.setdefault("jzero", {}).setdefault("mesh", {})
     if mesh.setdefault("devices", RANKS) != RANKS:

@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 CONFIGS = ("gpt_tiny", "vit_digits", "mlp_digits")
-PLOTTED = "gpt_tiny"  # its range test is the README's plot
+PLOTTED = "gpt_tiny"  # its range test is the plot in docs/tuning.md
 FACTORS = (0.1, 1 / 3, 1.0, 3.0, 10.0)
 STEPS = 200
 SEEDS = (0, 1, 2, 3, 4)
