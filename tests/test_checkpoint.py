@@ -295,6 +295,19 @@ def test_a_failed_read_leaves_no_pending_task_behind():
     assert abandoned == [True]
 
 
+def test_a_late_read_finds_a_closed_loop_without_raising():
+    """A TensorStore read completing after its task was cancelled calls back into the closed
+    loop: dropped inside `draining`, "Event loop is closed" outside (the negative control)."""
+    with draining():
+        loop = asyncio.new_event_loop()
+    loop.close()
+    assert loop.call_soon_threadsafe(print) is None
+    plain = asyncio.new_event_loop()
+    plain.close()
+    with pytest.raises(RuntimeError, match="Event loop is closed"):
+        plain.call_soon_threadsafe(print)
+
+
 # ------------------------------------------------------------------------------------------
 # jzero train: exact resume after SIGKILL, save on SIGTERM
 # ------------------------------------------------------------------------------------------

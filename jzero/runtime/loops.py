@@ -8,8 +8,10 @@ the coroutine raises `GeneratorExit` inside Orbax's ``except BaseException`` (wh
 a new exception), and TensorStore's finished reads call back into the closed loop; Python prints
 each as "Exception ignored in ..." with a multi-page TensorStore spec. `draining` makes every
 loop created while it is active cancel and await its pending tasks before it closes, as
-`asyncio.run` does, so the failed restore ends cleanly when it returns. Only reads are
-abandoned there, never writes: what is discarded is data of a step already judged unreadable.
+`asyncio.run` does, so the failed restore ends cleanly when it returns, and drops the late
+completions of reads it no longer waits for instead of raising in TensorStore's thread. Only
+reads are abandoned there, never writes: what is discarded is data of a step already judged
+unreadable.
 """
 from __future__ import annotations
 
@@ -17,11 +19,22 @@ import asyncio
 import contextlib
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 _lock = threading.Lock()
 
 
 class _DrainingLoop(asyncio.SelectorEventLoop):
+    def call_soon_threadsafe(self, callback: Any, *args: Any, context: Any = None) -> Any:
+        """A read finished after its task was cancelled (TensorStore completes it in its own
+        thread) finds the loop closed: nobody waits for it, so it is dropped, not raised."""
+        try:
+            return super().call_soon_threadsafe(callback, *args, context=context)
+        except RuntimeError:
+            if self.is_closed():
+                return None
+            raise
+
     def close(self) -> None:
         if not self.is_closed() and not self.is_running():
             pending = [t for t in asyncio.all_tasks(self) if not t.done()]
