@@ -297,7 +297,7 @@ def test_a_process_that_never_reaches_the_first_barrier_is_named(tmp_path):
 def test_backstop_ends_a_process_whose_main_thread_holds_the_gil(tmp_path):
     """A C call that never releases the GIL (a catastrophic regex) starves the watchdog thread;
     faulthandler's C thread, armed for the phase, dumps the stacks and ends the process."""
-    script = (f"import re; from pathlib import Path; from jzero import watchdog\n"
+    script = (f"import re; from pathlib import Path; from jzero.runtime import watchdog\n"
               f"w = watchdog.Watchdog(0, 1, Path({str(tmp_path)!r}), Path({str(tmp_path)!r}), timeout=1, floor=1)\n"
               "with w:\n"
               "    w.enter('compute/collective', 0)\n"
