@@ -16,6 +16,7 @@ _PUBLIC = {  # module -> the names it gives the public face, bottom layer first
     "jzero.zero.sharding": ("Plan",),
     "jzero.zero.rows": ("gather_rows", "row_offset"),
     "jzero.zero.phase": ("evaluating",),
+    "jzero.zero.modelstate": ("Variables",),
     "jzero.models.adapters": ("from_linen", "from_nnx"),
     "jzero.models.layers": ("scan_layers",),
     "jzero.models.moe": ("MoE", "NNXMoE", "MoESpec", "MoEStats"),
@@ -24,7 +25,7 @@ _PUBLIC = {  # module -> the names it gives the public face, bottom layer first
     "jzero.train.state": ("TrainState", "abstract_init", "device_params", "init"),
     "jzero.train.step": ("train_step", "eval_step"),
     "jzero.runtime.checkpoint": ("CheckpointError", "CheckpointMismatchError", "Checkpointer", "CheckpointWarning"),
-    "jzero.runtime.weights": ("export", "load_params"),
+    "jzero.runtime.weights": ("export", "load_params", "load_model_state"),
 }
 _EXPORTS = {name: module for module, names in _PUBLIC.items() for name in names}
 __all__ = sorted(_EXPORTS) + ["__version__"]

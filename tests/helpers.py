@@ -102,11 +102,16 @@ def config(stage, accum):
 @functools.cache
 def reference(model):
     """The plain loop: one device, whole batch, optax.adamw."""
+    return optax_loop(model, optax.adamw(LR, eps=EPS, weight_decay=WD))
+
+
+def optax_loop(model, tx):
+    """The plain loop of ``model`` with the optax transformation ``tx``: one device, whole batch.
+    Returns (losses, host params)."""
     make_fns, make_batches = MODELS[model]
     init_fn, loss_fn = make_fns()
     dev = jax.devices()[0]
     params = jax.device_put(jax.jit(init_fn)(jax.random.key(0)), dev)
-    tx = optax.adamw(LR, eps=EPS, weight_decay=WD)
     opt_state = tx.init(params)
 
     @jax.jit

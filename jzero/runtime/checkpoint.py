@@ -4,8 +4,9 @@ A checkpoint holds global arrays, not shards: it restores onto whatever mesh and
 *target* state was built for (8 devices at stage 3 -> 2 devices at stage 1 -> one CPU). Each step
 directory has two Orbax items:
 
-- ``state``: params, opt_state, step, rng (as key data) and the fp16 loss-scale state, as nested
-  dicts named by `jzero.zero.treepath` (no optax or Flax classes on disk);
+- ``state``: params, the model state, opt_state, step, rng (as key data) and the fp16
+  loss-scale state, as nested dicts named by `jzero.zero.treepath` (no optax or Flax classes
+  on disk);
 - ``record``: JSON with the jzero version, mesh, stage, parameter count and dtypes, the resolved
   config and the user's source config, the data position, and each leaf's shape, dtype and a
   content checksum.
@@ -133,8 +134,8 @@ def _saved_tree(state: Any) -> dict[str, Any]:
         rng = jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=rng.sharding)
     elif jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
         rng = jax.random.key_data(rng)
-    parts = {"params": state.params, "opt_state": state.opt_state, "step": state.step, "rng": rng,
-             "loss_scale": state.loss_scale}  # this order: a model mismatch is reported at a param
+    parts = {"params": state.params, "model_state": state.model_state, "opt_state": state.opt_state,
+             "step": state.step, "rng": rng, "loss_scale": state.loss_scale}  # a model mismatch: at a param first
     return {name: leaf for prefix, tree in parts.items() for name, leaf in treepath.named_leaves(tree, prefix).items()}
 
 
@@ -345,7 +346,8 @@ def _assemble(target: Any, named: dict[str, jax.Array], has_scale: bool, rng_imp
         warnings.warn("the checkpoint has no fp16 loss-scale state; the loss scaler starts fresh", CheckpointWarning,
                       stacklevel=3)
         loss_scale = state_lib.replicated(precision.loss_scaler(target.config).init, target.plan)
-    return target.replace(step=named["step"], params=part("params", target.params),
+    model_state = None if target.model_state is None else part("model_state", target.model_state)
+    return target.replace(step=named["step"], params=part("params", target.params), model_state=model_state,
                           opt_state=part("opt_state", target.opt_state), rng=rng, loss_scale=loss_scale)
 
 

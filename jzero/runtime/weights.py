@@ -1,4 +1,4 @@
-"""Consolidated weights: a checkpoint's params as one safetensors file, and back.
+"""Consolidated weights: a checkpoint's params (and model state) as one safetensors file, and back.
 
 `export` streams leaf by leaf: the header is written from the checkpoint's record (names, shapes,
 dtypes), then each leaf is read from the checkpoint as a host array, checked against its
@@ -6,7 +6,9 @@ checksum, cast and appended, so peak host memory is about the largest leaf, not 
 (DeepSpeed's zero_to_fp32 holds the whole model). The safetensors library cannot write a file
 piece by piece, so the writer is ours (the format is an 8-byte length, a JSON header and raw
 little-endian bytes); reading uses the library (memory-mapped, no pickle). Tensor names are the
-param tree's dotted paths (``blocks.stacked.mlp.fc.kernel``).
+param tree's dotted paths (``blocks.stacked.mlp.fc.kernel``); a model's state (BatchNorm
+statistics) follows under ``model_state.`` (``model_state.batch_stats.BatchNorm_0.mean``), kept
+in its saved dtype.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ SAFETENSORS_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfl
                       "int32": "I32", "int16": "I16", "int8": "I8", "uint64": "U64", "uint32": "U32", "uint16": "U16",
                       "uint8": "U8", "bool": "BOOL"}
 _ALIGN = 8
+MODEL_STATE = "model_state"  # the prefix of the model state's leaves, in the checkpoint and the file
 
 
 def resolve(checkpoint: str | os.PathLike) -> tuple[Checkpointer, int]:
@@ -48,15 +51,16 @@ def resolve(checkpoint: str | os.PathLike) -> tuple[Checkpointer, int]:
 
 
 def export(checkpoint: str | os.PathLike, out: str | os.PathLike, dtype: str | None = None) -> dict[str, Any]:
-    """Write the params of ``checkpoint`` to ``out`` (.safetensors); floating leaves cast to
-    ``dtype`` ("fp32" or "bf16"; default: as saved). Returns what was written (for a summary)."""
+    """Write the params and model state of ``checkpoint`` to ``out`` (.safetensors); floating
+    params cast to ``dtype`` ("fp32" or "bf16"; default: as saved). Returns what was written."""
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
     ckpt, step = resolve(checkpoint)
-    leaves = {name: leaf for name, leaf in ckpt.record(step)["leaves"].items() if name.startswith("params/")}
+    leaves = {name: leaf for name, leaf in ckpt.record(step)["leaves"].items()
+              if name.startswith(("params/", f"{MODEL_STATE}/"))}
     layout, offset = {}, 0
     for name, leaf in leaves.items():
-        out_dtype = _cast_dtype(np.dtype(leaf["dtype"]), dtype)
+        out_dtype = _cast_dtype(np.dtype(leaf["dtype"]), dtype if name.startswith("params/") else None)
         size = int(np.prod(leaf["shape"])) * out_dtype.itemsize
         layout[name] = (_tensor_name(name), out_dtype, leaf["shape"], offset, offset + size)
         offset += size
@@ -77,16 +81,27 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, dtype: str | N
 
 
 def load_params(path: str | os.PathLike) -> dict[str, Any]:
-    """An exported safetensors file as a nested dict of numpy arrays: pass it to
+    """The params of an exported safetensors file as a nested dict of numpy arrays: pass it to
     ``jzero.init(..., params=...)`` to start training (or evaluating) from it."""
+    return treepath.nest({k: v for k, v in _read(path).items() if not k.startswith(f"{MODEL_STATE}{treepath.SEP}")})
+
+
+def load_model_state(path: str | os.PathLike) -> dict[str, Any] | None:
+    """The model state of an exported safetensors file (None for a stateless model): pass it to
+    ``jzero.init(..., model_state=...)`` with the params."""
+    prefix = f"{MODEL_STATE}{treepath.SEP}"
+    named = {k.removeprefix(prefix): v for k, v in _read(path).items() if k.startswith(prefix)}
+    return treepath.nest(named) if named else None
+
+
+def _read(path: str | os.PathLike) -> dict[str, np.ndarray]:
     from safetensors import safe_open
 
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such safetensors file")
     with safe_open(str(path), framework="numpy") as f:
-        named = {key.replace(".", treepath.SEP): f.get_tensor(key) for key in f.keys()}
-    return treepath.nest(named)
+        return {key.replace(".", treepath.SEP): f.get_tensor(key) for key in f.keys()}
 
 
 def _tensor_name(name: str) -> str:

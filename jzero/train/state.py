@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 
 from jzero.config import Config, ConfigError
 from jzero.train.resolve import offload_kinds, resolve_auto_sizes
-from jzero.zero import optim, precision, sharding, treepath
+from jzero.zero import modelstate, optim, precision, sharding, treepath
 from jzero.zero.mesh import data_parallel_size, make_mesh
 
 LossFn = Callable[[Any, Any, jax.Array], Any]
@@ -27,8 +27,9 @@ LossFn = Callable[[Any, Any, jax.Array], Any]
 class TrainState(struct.PyTreeNode):
     """Everything a step reads and writes. Array fields are sharded per ``plan``.
 
-    ``loss_scale`` holds the fp16 dynamic loss-scaler state (None when fp16 is off).
-    Static fields (loss_fn, tx, plan, config) are compared by identity by ``jax.jit``.
+    ``loss_scale`` holds the fp16 dynamic loss-scaler state (None when fp16 is off);
+    ``model_state`` the model's non-parameter variables, replicated (None for a stateless model:
+    `jzero.zero.modelstate`). Static fields (loss_fn, tx, plan, config) are compared by identity by ``jax.jit``.
     """
 
     step: jax.Array
@@ -36,6 +37,7 @@ class TrainState(struct.PyTreeNode):
     opt_state: Any
     rng: jax.Array
     loss_scale: Any
+    model_state: Any
     loss_fn: LossFn = struct.field(pytree_node=False)
     tx: optax.GradientTransformation = struct.field(pytree_node=False)
     plan: sharding.Plan = struct.field(pytree_node=False)
@@ -43,28 +45,43 @@ class TrainState(struct.PyTreeNode):
 
 
 def init(init_fn: Callable[[jax.Array], Any], config: Config, *, loss_fn: LossFn,
-         rng: jax.Array | int, mesh: Mesh | None = None, model_specs: Any = None, params: Any = None) -> TrainState:
+         rng: jax.Array | int, mesh: Mesh | None = None, model_specs: Any = None, params: Any = None,
+         model_state: Any = None, tx: optax.GradientTransformation | None = None) -> TrainState:
     """Build a sharded TrainState: ``init_fn(rng) -> params``; ``loss_fn(params, batch, rng)``.
 
-    ``loss_fn`` returns a scalar loss or ``(loss, aux)``. Floating params are kept in fp32
+    ``loss_fn`` returns a scalar loss or ``(loss, aux)``. A model with state (BatchNorm
+    statistics) returns ``Variables(params, state)`` from ``init_fn`` and takes and returns it in
+    ``loss_fn(params, batch, rng, state) -> (loss | (loss, aux), new_state)``
+    (`jzero.zero.modelstate`; ``from_linen`` and ``from_nnx`` do this for Flax models). Floating params are kept in fp32
     (the master copy) whatever ``init_fn`` returns. ``model_specs`` is an optional tree of
     PartitionSpecs the model already uses (kept; ZeRO adds "fsdp" to a free dimension).
     ``params`` starts from given values (e.g. `jzero.load_params`) instead of ``init_fn``'s: they
-    are matched to ``init_fn``'s tree by leaf name and shape, and each device reads its shard.
+    are matched to ``init_fn``'s tree by leaf name and shape, and each device reads its shard;
+    ``model_state`` likewise starts a stateful model from given statistics
+    (`jzero.load_model_state`). ``tx``: a client optimizer (any optax transformation, its own
+    schedule included) instead of the config's ``optimizer`` section; its param-shaped state
+    follows the ZeRO layout of its param, the rest is replicated.
     """
-    prep = _prepare(init_fn, config, rng, mesh, model_specs)
+    prep = _prepare(init_fn, config, rng, mesh, model_specs, tx)
     plan = prep.plan
     if params is None:
         params = jax.jit(prep.make_params, out_shardings=plan.params)(prep.key)
     else:
-        params = _place(params, jax.eval_shape(prep.make_params, prep.key), plan.params)
+        params = _place(params, jax.eval_shape(prep.make_params, prep.key), plan.params, "params")
     opt_state = jax.jit(prep.tx.init, out_shardings=plan.opt_state)(params)
+    if prep.make_state is None:
+        if model_state is not None:
+            raise ConfigError("model_state: given, but init_fn returned no model state (bare params, not Variables)")
+    elif model_state is None:
+        model_state = jax.jit(prep.make_state, out_shardings=plan.model_state)(prep.key)
+    else:
+        model_state = _place(model_state, jax.eval_shape(prep.make_state, prep.key), plan.model_state, "model_state")
     step_rng = replicated(lambda k: jax.random.fold_in(k, 1), plan, prep.key)
     scaler = precision.loss_scaler(prep.config)
     loss_scale = None if scaler is None else replicated(scaler.init, plan)
     return TrainState(step=replicated(lambda: jnp.zeros((), jnp.int32), plan), params=params,
-                      opt_state=opt_state, rng=step_rng, loss_scale=loss_scale, loss_fn=loss_fn, tx=prep.tx,
-                      plan=plan, config=prep.config)
+                      opt_state=opt_state, rng=step_rng, loss_scale=loss_scale, model_state=model_state,
+                      loss_fn=loss_fn, tx=prep.tx, plan=plan, config=prep.config)
 
 
 def device_params(state: TrainState) -> Any:
@@ -83,16 +100,19 @@ def replicated(fn: Callable[..., Any], plan: sharding.Plan, *args: Any) -> Any:
 
 
 def abstract_init(init_fn: Callable[[jax.Array], Any], config: Config, *, loss_fn: LossFn,
-                  mesh: Mesh | None = None, model_specs: Any = None) -> TrainState:
+                  mesh: Mesh | None = None, model_specs: Any = None,
+                  tx: optax.GradientTransformation | None = None) -> TrainState:
     """The TrainState `init` would build, as `jax.ShapeDtypeStruct`s carrying the Plan's
     shardings: nothing is allocated, so ``train_step.lower(state, batch)`` plans any size."""
-    prep = _prepare(init_fn, config, 0, mesh, model_specs)
+    prep = _prepare(init_fn, config, 0, mesh, model_specs, tx)
     plan = prep.plan
 
     def abstract(tree, shardings):
         return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
     params_shape = jax.eval_shape(prep.make_params, prep.key)
+    model_state = None if prep.make_state is None else abstract(jax.eval_shape(prep.make_state, prep.key),
+                                                                 plan.model_state)
     rng_shape = jax.eval_shape(lambda k: jax.random.fold_in(k, 1), prep.key)
     scaler = precision.loss_scaler(prep.config)
     loss_scale = None if scaler is None else abstract(jax.eval_shape(scaler.init),
@@ -101,17 +121,18 @@ def abstract_init(init_fn: Callable[[jax.Array], Any], config: Config, *, loss_f
                       params=abstract(params_shape, plan.params),
                       opt_state=abstract(jax.eval_shape(prep.tx.init, params_shape), plan.opt_state),
                       rng=jax.ShapeDtypeStruct(rng_shape.shape, rng_shape.dtype, sharding=plan.replicated),
-                      loss_scale=loss_scale, loss_fn=loss_fn, tx=prep.tx, plan=plan, config=prep.config)
+                      loss_scale=loss_scale, model_state=model_state, loss_fn=loss_fn, tx=prep.tx, plan=plan,
+                      config=prep.config)
 
 
-def _place(values: Any, shapes: Any, shardings: Any) -> Any:
+def _place(values: Any, shapes: Any, shardings: Any, what: str) -> Any:
     """Given host values laid out as ``shapes`` (matched by leaf name) under ``shardings``."""
     have = treepath.named_leaves(values)
     want = treepath.named_leaves(shapes)
     mismatch = treepath.first_mismatch({n: x.shape for n, x in want.items()},
-                                       {n: np.shape(x) for n, x in have.items()}, "model", "given params")
+                                       {n: np.shape(x) for n, x in have.items()}, "model", f"given {what}")
     if mismatch:
-        raise ConfigError(f"params: the given params do not fit the model: {mismatch}")
+        raise ConfigError(f"{what}: the given {what} do not fit the model: {mismatch}")
 
     def put(name: str, shape: jax.ShapeDtypeStruct, sharding: jax.sharding.Sharding) -> jax.Array:
         value = have[name]
@@ -126,26 +147,37 @@ class _Prepared(NamedTuple):
     key: jax.Array
     tx: optax.GradientTransformation
     make_params: Callable[[jax.Array], Any]
+    make_state: Callable[[jax.Array], Any] | None  # None: the model has no state
     plan: sharding.Plan
 
 
-def _prepare(init_fn, config, rng, mesh, model_specs) -> _Prepared:
-    """Resolve the config for the mesh, build the optimizer and the Plan from params' shapes."""
+def _prepare(init_fn, config, rng, mesh, model_specs, tx) -> _Prepared:
+    """Resolve the config for the mesh, build the optimizer (or take the client's ``tx``) and
+    the Plan from params' shapes."""
     mesh = mesh if mesh is not None else make_mesh(config)
     config = config.for_dp(data_parallel_size(mesh))
+    if tx is not None:
+        config = optim.client(config, tx)
     key = jax.random.key(rng) if isinstance(rng, int) else rng
     pol = precision.policy(config)
 
+    stateful = modelstate.is_stateful(jax.eval_shape(init_fn, key))
+
     def make_params(k):
-        return precision.cast_floating(init_fn(k), pol.param_dtype)
+        out = init_fn(k)
+        return precision.cast_floating(out.params if stateful else out, pol.param_dtype)
+
+    def make_state(k):
+        return init_fn(k).state
 
     params_shape = jax.eval_shape(make_params, key)
     if not jax.tree.leaves(params_shape):
         raise ConfigError("init_fn returned no parameters (an empty pytree)")
     config = resolve_auto_sizes(config, params_shape)
-    opt = optim.build(config)
+    tx = optim.build(config).tx if tx is None else tx
     offload, offload_params = offload_kinds(config.zero_optimization)
-    plan = sharding.plan(params_shape, opt.tx, mesh, config.zero_optimization.stage,
+    plan = sharding.plan(params_shape, tx, mesh, config.zero_optimization.stage,
                          persistence_threshold=config.zero_optimization.stage3_param_persistence_threshold,
-                         model_specs=model_specs, offload=offload, offload_params=offload_params)
-    return _Prepared(config, key, opt.tx, make_params, plan)
+                         model_specs=model_specs, offload=offload, offload_params=offload_params,
+                         model_state_shape=jax.eval_shape(make_state, key) if stateful else None)
+    return _Prepared(config, key, tx, make_params, make_state if stateful else None, plan)

@@ -23,7 +23,7 @@ from jax.experimental.compute_on import compute_on
 from jax.sharding import PartitionSpec as P
 
 from jzero.train.state import TrainState
-from jzero.zero import fused, hooks, optim, phase, precision
+from jzero.zero import fused, hooks, modelstate, optim, phase, precision
 from jzero.zero.mesh import DATA_AXES, data_parallel_size
 from jzero.zero.rows import split_over
 from jzero.zero.sharding import ZERO_RULES
@@ -36,7 +36,8 @@ def train_step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax
     """One optimizer step on ``batch`` (a pytree, leading dim = the global batch).
 
     Returns the new state and metrics: ``loss`` (mean over the global batch), ``grad_norm``
-    (global L2 norm before clipping), ``lr`` (the lr applied) and ``aux`` when the loss has one.
+    (global L2 norm before clipping), ``lr`` (the lr applied, when the optimizer exposes it
+    through `optax.inject_hyperparams`) and ``aux`` when the loss has one.
     """
     cfg, plan = state.config, state.plan
     _check_batch(batch, cfg.train_batch_size)
@@ -44,7 +45,7 @@ def train_step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax
     rng = jax.random.fold_in(state.rng, state.step)
     scaler = precision.loss_scaler(cfg)
     scale = state.loss_scale.scale if scaler is not None else jnp.float32(1.0)
-    loss, aux, grads = _accumulated_grads(state, _compute_params(state), batch, rng, scale)
+    loss, aux, grads, model_state = _accumulated_grads(state, _compute_params(state), batch, rng, scale)
     scaled_norm = optax.tree.norm(grads)  # the one global reduction: also the overflow check
     grad_norm = scaled_norm / scale
     divisor = scale
@@ -70,10 +71,13 @@ def train_step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax
         loss_scale = scaler.update(state.loss_scale, overflow)
         metrics.update(loss_scale=state.loss_scale.scale, skipped=overflow, skipped_total=loss_scale.skipped,
                        loss_scale_at_min=state.loss_scale.scale <= scaler.min_scale)
-    metrics["lr"] = opt_state.hyperparams["learning_rate"]
+    lr = optim.learning_rate(opt_state)
+    if lr is not None:
+        metrics["lr"] = lr
     if aux is not None:
         metrics["aux"] = aux
-    return state.replace(step=state.step + 1, params=params, opt_state=opt_state, loss_scale=loss_scale), metrics
+    return state.replace(step=state.step + 1, params=params, opt_state=opt_state, loss_scale=loss_scale,
+                         model_state=model_state), metrics
 
 
 def _apply_update(state: TrainState, grads: Any, divisor: jax.Array, overflow: jax.Array) -> tuple[Any, Any]:
@@ -123,19 +127,23 @@ def _compute_params(state: TrainState) -> Any:
 
 
 def _loss_and_aux(state: TrainState, params: Any, batch: Any, rng: jax.Array, scale: Any = 1.0,
-                  ctx: hooks.HookContext | None = None):
+                  ctx: hooks.HookContext | None = None, model_state: Any = None):
     """The user's loss on params in the compute dtype: cast here, or by the hooks of ``ctx``
     (`hooks.bind`, stages 2-3: after the reduce-scatter in backward, so gradients are reduced
-    in the communication dtype)."""
+    in the communication dtype). A stateful model also takes ``model_state`` and gives its
+    new value: ``(loss x scale, (loss, aux, new model state or None))``."""
     if ctx is None:
         params = precision.cast_floating(params, precision.policy(state.config).compute_dtype)
     with hooks.active(ctx), split_over(DATA_AXES):
-        out = state.loss_fn(params, batch, rng)
+        if model_state is None:
+            out, new_state = state.loss_fn(params, batch, rng), None
+        else:
+            out, new_state = state.loss_fn(params, batch, rng, model_state)
     if ctx is not None:
         hooks.check_used(ctx)
     loss, aux = out if isinstance(out, tuple) else (out, None)
     loss = loss.astype(jnp.float32)
-    return loss * scale, (loss, aux)
+    return loss * scale, (loss, aux, new_state)
 
 
 def _hooked(state: TrainState) -> Any:
@@ -148,67 +156,72 @@ def _hooked(state: TrainState) -> Any:
 
 
 def _local_loss(state: TrainState, hooked: Any, stored: Any, targets: Any, acc: Any, rows: Any, rng: jax.Array,
-                scale: Any):
+                scale: Any, model_state: Any = None):
     """`_loss_and_aux` of one device's ``rows`` inside the step's ``shard_map``, as a function of
     ``targets`` (what is differentiated): the params themselves (stages 0-1; with an accumulator
     ``acc``, stacked leaves add their gradient into it layer by layer: `hooks.bind_accumulators`),
     or each param's view in the reduced-gradient layout, bound with ``stored`` to its hook
     (stages 2-3)."""
     if hooked is None and acc is None:
-        return _loss_and_aux(state, targets, rows, rng, scale)
+        return _loss_and_aux(state, targets, rows, rng, scale, model_state=model_state)
     ctx = hooks.HookContext(wire(state.config), on_host=state.plan.compute_on_host)  # this trace's
     params = (hooks.bind(ctx, hooked, stored, targets) if hooked is not None
               else hooks.bind_accumulators(ctx, targets, acc))
-    return _loss_and_aux(state, params, rows, rng, scale, ctx)
+    return _loss_and_aux(state, params, rows, rng, scale, ctx, model_state)
 
 
 def _accumulated_grads(state: TrainState, stored: Any, batch: Any, rng: jax.Array, scale: Any):
-    """(mean loss, mean aux, mean grads of loss x scale) over the micro-batches, laid out per
-    plan.grads and reduced where the stage's row of the ZeRO table says.
+    """(mean loss, mean aux, mean grads of loss x scale, new model state) over the micro-batches,
+    laid out per plan.grads and reduced where the stage's row of the ZeRO table says.
 
     One ``shard_map`` over the data axes: each device takes the gradients of its own rows,
     micro-batch by micro-batch, into a local fp32 accumulator. Stages 0-1 (DeepSpeed's rule for
     them): params typed "varying" (``pcast``) so the gradient stays unreduced, and the
     accumulator reduced once, in the communication dtype: 2 Psi per step whatever the
     accumulation, one full fp32 gradient (4 B/param) the price. Stages 2-3: the hooks
-    (`hooks.bind`) reduce-scatter every micro-batch's gradient into the sharded accumulator."""
+    (`hooks.bind`) reduce-scatter every micro-batch's gradient into the sharded accumulator.
+    A model's state is threaded through the micro-batches and averaged over the devices
+    (`jzero.zero.modelstate`)."""
     cfg, plan = state.config, state.plan
     pol = precision.policy(cfg)
     accum, count = cfg.gradient_accumulation_steps, cfg.gradient_accumulation_steps * data_parallel_size(plan.mesh)
     hooked = _hooked(state)
 
-    def local(stored, targets, rows, rng, scale):
+    def local(stored, targets, rows, rng, scale, model_state):
         rng = jax.random.fold_in(rng, jax.lax.axis_index(DATA_AXES))  # each device its own dropout
         if hooked is None:
             targets = jax.tree.map(hooks.vary, stored)  # local, unreduced gradients
 
-        def grad_fn(mb, r, acc):
+        def grad_fn(mb, r, acc, ms):
             bound_acc = acc if hooked is None else None
-            (_, (loss, aux)), (grads, acc_grads) = jax.value_and_grad(
-                lambda t, a: _local_loss(state, hooked, stored, t, a, mb, r, scale), argnums=(0, 1),
+            (_, (loss, aux, ms)), (grads, acc_grads) = jax.value_and_grad(
+                lambda t, a: _local_loss(state, hooked, stored, t, a, mb, r, scale, ms), argnums=(0, 1),
                 has_aux=True)(targets, bound_acc)
-            grads = precision.cast_floating(grads, pol.grad_accum_dtype)
+            grads, ms = precision.cast_floating(grads, pol.grad_accum_dtype), jax.tree.map(hooks.vary, ms)
             if acc is None:
-                return loss, aux, grads
+                return loss, aux, grads, ms
             if bound_acc is None:
-                return loss, aux, jax.tree.map(jnp.add, acc, grads)
-            return loss, aux, hooks.add_gradients(acc, grads, acc_grads)
+                return loss, aux, jax.tree.map(jnp.add, acc, grads), ms
+            return loss, aux, hooks.add_gradients(acc, grads, acc_grads), ms
 
         if accum == 1:
-            loss, aux, acc = grad_fn(rows, rng, None)
+            loss, aux, acc, model_state = grad_fn(rows, rng, None, model_state)
         else:
             micro = jax.tree.map(lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:]), rows)
             zeros = jax.tree.map(lambda t: jnp.zeros_like(t, pol.grad_accum_dtype), targets)
             loss0 = jax.lax.pcast(jnp.zeros((), jnp.float32), DATA_AXES, to="varying")  # a local sum
-            loss, aux, acc = _sum_over_micro_batches(grad_fn, micro, rng, (zeros, loss0))
+            loss, aux, acc, model_state = _sum_over_micro_batches(
+                grad_fn, micro, rng, (zeros, loss0, jax.tree.map(hooks.vary, model_state)))
         if hooked is None:
             acc = jax.tree.map(lambda g, s: _reduce_once(g, s.spec, wire(cfg)).astype(g.dtype), acc, plan.grads)
         aux = None if aux is None else jax.tree.map(lambda a: jax.lax.pmean(a, DATA_AXES), aux)
-        return jax.lax.psum(loss, DATA_AXES) / count, aux, jax.tree.map(lambda g: g / count, acc)
+        return (jax.lax.psum(loss, DATA_AXES) / count, aux, jax.tree.map(lambda g: g / count, acc),
+                modelstate.synchronized(model_state, DATA_AXES))
 
     specs = jax.tree.map(lambda s: s.spec, (plan.compute, plan.grads))
-    return jax.shard_map(local, mesh=plan.mesh, in_specs=(*specs, P(DATA_AXES), P(), P()),
-                         out_specs=(P(), P(), specs[1]))(stored, _targets(state), batch, rng, scale)
+    return jax.shard_map(local, mesh=plan.mesh, in_specs=(*specs, P(DATA_AXES), P(), P(), P()),
+                         out_specs=(P(), P(), specs[1], P()))(stored, _targets(state), batch, rng, scale,
+                                                               state.model_state)
 
 
 def _targets(state: TrainState) -> Any:
@@ -217,18 +230,19 @@ def _targets(state: TrainState) -> Any:
     return jax.tree.map(lambda p, s: _constrain(jnp.zeros(p.shape, jnp.float32), s), state.params, state.plan.grads)
 
 
-def _sum_over_micro_batches(grad_fn, micro: Any, rng: jax.Array, zeros: Any):
-    """(sum of losses, mean aux, sum of gradients) of ``grad_fn(micro_batch, rng, acc) -> (loss,
-    aux, acc + gradients)`` over the micro-batches (the leading axis of ``micro``), each with its
-    own key, by ``lax.scan`` from ``zeros`` = (gradient accumulator, loss accumulator)."""
+def _sum_over_micro_batches(grad_fn, micro: Any, rng: jax.Array, start: Any):
+    """(sum of losses, mean aux, sum of gradients, last model state) of ``grad_fn(micro_batch,
+    rng, acc, model_state) -> (loss, aux, acc + gradients, new model state)`` over the
+    micro-batches (the leading axis of ``micro``), each with its own key, by ``lax.scan`` from
+    ``start`` = (gradient accumulator, loss accumulator, model state)."""
     def body(carry, xs):
-        (mb, i), (acc, loss_sum) = xs, carry
-        loss, aux, acc = grad_fn(mb, jax.random.fold_in(rng, i), acc)
-        return (acc, loss_sum + loss), aux
+        (mb, i), (acc, loss_sum, ms) = xs, carry
+        loss, aux, acc, ms = grad_fn(mb, jax.random.fold_in(rng, i), acc, ms)
+        return (acc, loss_sum + loss, ms), aux
 
     steps = jax.tree.leaves(micro)[0].shape[0]
-    (acc, loss_sum), aux = jax.lax.scan(body, zeros, (micro, jnp.arange(steps)))
-    return loss_sum, None if aux is None else jax.tree.map(lambda a: jnp.mean(a, axis=0), aux), acc
+    (acc, loss_sum, ms), aux = jax.lax.scan(body, start, (micro, jnp.arange(steps)))
+    return loss_sum, None if aux is None else jax.tree.map(lambda a: jnp.mean(a, axis=0), aux), acc, ms
 
 
 def _reduce_once(g: jax.Array, spec: P, on_wire: hooks.Wire) -> jax.Array:
@@ -256,16 +270,16 @@ def _check_batch(batch: Any, expected: int) -> None:
 @jax.jit
 def eval_step(state: TrainState, batch: Any) -> jax.Array:
     """The loss of ``state.params`` on ``batch`` (compute dtype, no gradient, no update, layers
-    in evaluation: `jzero.zero.phase`): each device's rows under the step's ``shard_map``, averaged
-    over devices."""
+    in evaluation: `jzero.zero.phase`, reading the carried model state): each device's rows
+    under the step's ``shard_map``, averaged over devices."""
     plan, hooked = state.plan, _hooked(state)
 
-    def local(stored, targets, rows):
+    def local(stored, targets, rows, model_state):
         params = stored if hooked is None else targets  # what _local_loss reads at this stage
         with phase.evaluating():
-            loss = _local_loss(state, hooked, stored, params, None, rows, state.rng, 1.0)[1][0]
+            loss = _local_loss(state, hooked, stored, params, None, rows, state.rng, 1.0, model_state)[1][0]
         return jax.lax.pmean(loss, DATA_AXES)
 
     specs = jax.tree.map(lambda s: s.spec, (plan.compute, plan.grads))
-    return jax.shard_map(local, mesh=plan.mesh, in_specs=(*specs, P(DATA_AXES)), out_specs=P())(
-        _compute_params(state), _targets(state), batch)
+    return jax.shard_map(local, mesh=plan.mesh, in_specs=(*specs, P(DATA_AXES), P()), out_specs=P())(
+        _compute_params(state), _targets(state), batch, state.model_state)

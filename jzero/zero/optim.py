@@ -13,6 +13,7 @@ with the installed jax, the XLA path runs, with a one-line notice.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 from collections.abc import Callable, Mapping
@@ -27,6 +28,7 @@ from jzero.config.paramtable import Choice, canonical, resolve
 from jzero.zero import fused, schedules
 
 FUSED = Choice(("auto", True, False), "auto")
+CLIENT = "client"  # the optimizer type of a config trained with a client optimizer (tx=)
 # canonical type -> {param: default}; DeepSpeed's defaults (FusedAdam, FusedLamb, Lion, torch SGD).
 PARAMS: dict[str, dict[str, Any]] = {
     "Adam": {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "adam_w_mode": True,
@@ -75,10 +77,36 @@ def build(cfg: Config, lr: schedules.Schedule | None = None) -> Optimizer:
     if name == "Adam" and not p["adam_w_mode"]:
         name = "AdamL2"
     hyper = _HYPER[name](p, sched)
-    static = tuple(k for k, v in hyper.items() if isinstance(v, bool))
+    # Constant betas stay Python floats, as in optax.adamw(...) and torch: injected, they would
+    # be float32 arrays and (1 - b) round differently (a client optax.adamw would drift ~2e-6
+    # from the config's AdamW over 20 steps). Scheduled ones (OneCycle's beta1) are injected.
+    static = tuple(k for k, v in hyper.items() if isinstance(v, bool) or (k in ("b1", "b2") and not callable(v)))
     backend = fused_backend(cfg, notice=True)
     factory = functools.partial(fused.fused_adamw, backend=backend) if backend else _FACTORIES[name]
     return Optimizer(optax.inject_hyperparams(factory, static_args=static)(**hyper), sched)
+
+
+def learning_rate(opt_state: Any) -> jax.Array | None:
+    """The lr the optimizer applies: the first ``learning_rate`` hyperparameter that
+    `optax.inject_hyperparams` keeps in ``opt_state`` (None: the optimizer does not expose one)."""
+    def injected(x: Any) -> bool:
+        return isinstance(x, (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState))
+
+    found = (x.hyperparams["learning_rate"] for x in jax.tree.leaves(opt_state, is_leaf=injected)
+             if injected(x) and "learning_rate" in x.hyperparams)
+    return next(found, None)
+
+
+def client(cfg: Config, tx: Any) -> Config:
+    """``cfg`` for a client optimizer ``tx`` (DeepSpeed's ``optimizer=`` argument): refused beside
+    the config's own optimizer or scheduler, as DeepSpeed refuses two optimizers."""
+    if not isinstance(tx, optax.GradientTransformation):
+        raise ConfigError(f"tx: expected an optax.GradientTransformation, got {type(tx).__name__}")
+    for section in ("optimizer", "scheduler"):
+        if section in cfg.source:
+            raise ConfigError(f"{section}: the config has one and a client optimizer (tx=) is given; drop the "
+                              f"section or tx= (a client optimizer carries its own schedule)")
+    return dataclasses.replace(cfg, optimizer=OptimizerConfig(type=CLIENT, params={}))
 
 
 def fused_backend(cfg: Config, *, notice: bool = False) -> str | None:

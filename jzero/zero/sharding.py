@@ -15,7 +15,9 @@ the k micro-batches and they are reduced once (stage 0: all-reduce; stage 1: red
 the optimizer-state layout): least communication, one full fp32 gradient (4 B/param) transient.
 "every micro-batch": each layer's gradient is reduce-scattered inside the backward pass, so a
 full gradient never exists: least memory, k reductions. Pick stage 1 over 2 when the 4 B/param
-fit; stage 2 when they do not.
+fit; stage 2 when they do not. Model state (BatchNorm statistics: DeepSpeed's buffers) is
+replicated at every stage and averaged over the data devices once per step
+(`jzero.zero.modelstate`).
 
 Which devices a leaf is sharded over (its ZeRO group), DeepSpeed-MoE's rule:
 
@@ -38,6 +40,7 @@ persistent params); their grads and optimizer state are still sharded, as in Dee
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -46,11 +49,13 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jzero.config import ConfigWarning
 from jzero.zero.mesh import DATA_AXES, EXPERT, FSDP
 
 STACKED_KEY = "stacked"  # params under this key carry a leading stacked-layer dimension
 EXPERT_KEY = "experts"  # params under this key carry an expert dimension (after the stacked one)
 HOST_KINDS = ("pinned_host", "unpinned_host")  # JAX memory kinds of host memory
+LARGE_REPLICATED = 2**20  # elements: optimizer state this large and replicated is worth a warning
 
 
 class ZeroRule(NamedTuple):
@@ -77,7 +82,8 @@ class Plan:
     ``grads``: reduced gradients and the accumulator. ``update``: where the optimizer update runs
     (the opt-state layout of each param). ``opt_state``: optimizer state. ``batch``: leading
     (global batch) dim over all data axes. ``offload``: the host memory kind of the master
-    params and optimizer state (None: device memory). Compared and hashed by identity: it is
+    params and optimizer state (None: device memory). ``model_state``: the model's
+    non-parameter variables, replicated (None: the model has none). Compared and hashed by identity: it is
     static data of the jitted step.
     """
 
@@ -91,6 +97,7 @@ class Plan:
     batch: NamedSharding
     replicated: NamedSharding
     offload: str | None = None
+    model_state: Any = None
 
     @property
     def compute_on_host(self) -> bool:
@@ -100,14 +107,14 @@ class Plan:
 
 def plan(params_shape: Any, tx: optax.GradientTransformation, mesh: Mesh, stage: int, *,
          persistence_threshold: int = 0, model_specs: Any = None, offload: str | None = None,
-         offload_params: str | None = None) -> Plan:
+         offload_params: str | None = None, model_state_shape: Any = None) -> Plan:
     """The Plan for ``stage`` over ``mesh`` for params shaped like ``params_shape``.
 
     ``model_specs``: optional tree of PartitionSpecs the model already uses (tensor parallel);
     ZeRO keeps them and adds "fsdp" to a free dimension. ``offload``: host memory kind for the
     fp32 master params and the optimizer state (ZeRO-Offload: both in the update layout, the
     step updates them on the host); ``offload_params``: host memory kind for the compute params
-    too (ZeRO-Infinity, stage 3).
+    too (ZeRO-Infinity, stage 3). ``model_state_shape``: the model's state, if it has one.
     """
     if stage not in ZERO_RULES:
         raise ValueError(f"zero_optimization.stage: {stage} is not one of 0, 1, 2, 3")
@@ -132,13 +139,41 @@ def plan(params_shape: Any, tx: optax.GradientTransformation, mesh: Mesh, stage:
 
     update, compute = in_memory(layout("update"), offload), in_memory(layout("params"), offload_params)
     replicated = NamedSharding(mesh, P())
-    opt_shape = jax.eval_shape(tx.init, params_shape)
-    opt_state = optax.tree_map_params(tx, lambda _, s: s, opt_shape, update,
-                                      transform_non_params=lambda _: in_memory(replicated, offload),
-                                      is_leaf=lambda x: isinstance(x, NamedSharding))
+    opt_state = opt_state_layout(tx, params_shape, update, in_memory(replicated, offload))
     return Plan(mesh=mesh, stage=stage, params=compute if offload is None else update, compute=compute,
                 grads=layout("grads"), update=update, opt_state=opt_state, batch=NamedSharding(mesh, P(DATA_AXES)),
-                replicated=replicated, offload=offload)
+                replicated=replicated, offload=offload,
+                model_state=None if model_state_shape is None else jax.tree.map(lambda _: replicated,
+                                                                                model_state_shape))
+
+
+def opt_state_layout(tx: optax.GradientTransformation, params_shape: Any, update: Any,
+                     replicated: NamedSharding) -> Any:
+    """Shardings of ``tx``'s state: a leaf shaped like its param takes the param's update layout
+    (Adam's moments, Lion's momentum), anything else is replicated (counts, Adafactor's factored
+    rows), with one warning when such leaves are large enough to matter."""
+    loose = []
+
+    def param_like(leaf: Any, layout: NamedSharding, param: Any) -> NamedSharding:
+        if leaf.shape == param.shape:
+            return layout
+        loose.append(leaf)
+        return replicated
+
+    def other(leaf: Any) -> NamedSharding:
+        loose.append(leaf)
+        return replicated
+
+    opt_shape = jax.eval_shape(tx.init, params_shape)
+    layout = optax.tree_map_params(tx, param_like, opt_shape, update, params_shape, transform_non_params=other,
+                                   is_leaf=lambda x: isinstance(x, NamedSharding))
+    large = [x for x in loose if math.prod(x.shape) >= LARGE_REPLICATED]
+    if large:
+        warnings.warn(f"optimizer state: {len(large)} leaves not shaped like their params stay replicated on every "
+                      f"device ({sum(math.prod(x.shape) for x in large):,} elements, the largest "
+                      f"{max(large, key=lambda x: math.prod(x.shape)).shape}); ZeRO shards param-shaped state only",
+                      ConfigWarning, stacklevel=4)
+    return layout
 
 
 class LeafSpecs(NamedTuple):
