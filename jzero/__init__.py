@@ -17,6 +17,7 @@ _PUBLIC = {  # module -> the names it gives the public face, bottom layer first
     "jzero.zero.rows": ("gather_rows", "row_offset"),
     "jzero.zero.phase": ("evaluating",),
     "jzero.zero.modelstate": ("Variables",),
+    "jzero.zero.groups": ("param_labels",),
     "jzero.models.adapters": ("from_linen", "from_nnx"),
     "jzero.models.layers": ("scan_layers",),
     "jzero.models.moe": ("MoE", "NNXMoE", "MoESpec", "MoEStats"),

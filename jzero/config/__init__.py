@@ -246,6 +246,29 @@ class WatchdogConfig:
 
 
 @dataclass(frozen=True)
+class ParamGroupConfig:
+    """One ``jzero.param_groups`` entry (DeepSpeed's param groups, which it takes in code): the
+    leaves whose name (``blocks/stacked/attn/w_qkv``) ``pattern`` finds (a regex, searched) take
+    this ``weight_decay`` (default: the optimizer's) and ``lr_scale`` x the lr. The first
+    matching group wins; the rest of the params are the group "default"."""
+
+    pattern: str
+    name: str | None = None
+    weight_decay: float | None = None
+    lr_scale: float = 1.0
+
+
+@dataclass(frozen=True)
+class FrozenConfig:
+    """``jzero.frozen``: leaves whose name any of ``patterns`` finds are not trained (no gradient
+    reduction, no optimizer state); ``compute_dtype``: store them in the compute dtype (bf16
+    under bf16) instead of fp32."""
+
+    patterns: tuple[str, ...] = ()
+    compute_dtype: bool = False
+
+
+@dataclass(frozen=True)
 class JzeroConfig:
     """jzero's own section (DeepSpeed has no such keys)."""
 
@@ -259,6 +282,8 @@ class JzeroConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
+    param_groups: tuple[ParamGroupConfig, ...] = ()
+    frozen: FrozenConfig = field(default_factory=FrozenConfig)
 
 
 @dataclass(frozen=True, eq=False)

@@ -116,9 +116,12 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
         if not isinstance(value, str):
             raise ConfigError(f"{where}: expected a string, got {type(value).__name__} {value!r}")
         return value
-    if tp is tuple:
+    if tp is tuple or origin is tuple:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{where}: expected a list, got {type(value).__name__} {value!r}")
+        args = typing.get_args(tp)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_coerce(args[0], v, f"{where}[{i}]") for i, v in enumerate(value))
         return tuple(value)
     raise TypeError(f"unhandled config type {tp} at {where}")
 
@@ -129,5 +132,5 @@ def to_dict(obj: Any) -> Any:
     if isinstance(obj, Mapping):
         return {k: to_dict(v) for k, v in obj.items()}
     if isinstance(obj, tuple):
-        return list(obj)
+        return [to_dict(v) for v in obj]
     return obj

@@ -21,6 +21,7 @@ from jzero.runtime.monitor import Monitor, RunSummary
 from jzero.runtime.watchdog import Unwatched, Watchdog
 from jzero.train.state import TrainState, abstract_init, init
 from jzero.train.step import eval_step, train_step
+from jzero.zero import groups
 from jzero.zero.mesh import make_mesh
 
 
@@ -48,7 +49,8 @@ class Engine:
         self.config = self.state.config  # batch rule resolved for the real mesh
 
     def header(self, flags: list[str]) -> list[str]:
-        """The run's opening lines: data, model, stage, mesh, batch rule, remat, XLA flags."""
+        """The run's opening lines: data, model, stage, mesh, batch rule, remat, the parameter
+        groups' effective settings, XLA flags."""
         from jzero.runtime import xla_flags
         from jzero.zero.mesh import data_parallel_size
 
@@ -58,6 +60,7 @@ class Engine:
                  f"{cfg.zero_optimization.stage}, mesh {dict(mesh.shape)} on {jax.devices()[0].platform}, "
                  f"batch {cfg.train_batch_size} = micro {cfg.train_micro_batch_size_per_gpu} x accum "
                  f"{cfg.gradient_accumulation_steps} x dp {data_parallel_size(mesh)}, remat {cfg.jzero.remat}"]
+        lines += [f"jzero: param group {line}" for line in groups.describe(cfg, self.state.params)]
         described = xla_flags.describe(flags, jax.default_backend())
         return lines + ([described] if described else [])
 

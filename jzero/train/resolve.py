@@ -33,7 +33,7 @@ from jzero.config import (
     with_hidden_size,
 )
 from jzero.models import moe
-from jzero.zero import optim, remat, schedules
+from jzero.zero import groups, optim, remat, schedules
 
 # DeepSpeed features jzero refuses (they change what is trained or where memory lives).
 UNSUPPORTED_SECTIONS = {
@@ -84,6 +84,7 @@ def load_config(source: str | os.PathLike | Mapping[str, Any], *, dp_size: int |
     remat.validate(cfg.jzero.remat)
     models.validate(cfg)
     moe.validate(cfg)
+    groups.validate(cfg)
     cfg = dataclasses.replace(cfg, optimizer=optim.validate(cfg.optimizer), source=raw)
     return dataclasses.replace(cfg, scheduler=schedules.validate(cfg))
 

@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 
 from jzero.config import Config, ConfigError
 from jzero.train.resolve import offload_kinds, resolve_auto_sizes
-from jzero.zero import modelstate, optim, precision, sharding, treepath
+from jzero.zero import groups, modelstate, optim, precision, sharding, treepath
 from jzero.zero.mesh import data_parallel_size, make_mesh
 
 LossFn = Callable[[Any, Any, jax.Array], Any]
@@ -165,7 +165,11 @@ def _prepare(init_fn, config, rng, mesh, model_specs, tx) -> _Prepared:
 
     def make_params(k):
         out = init_fn(k)
-        return precision.cast_floating(out.params if stateful else out, pol.param_dtype)
+        params = precision.cast_floating(out.params if stateful else out, pol.param_dtype)
+        if not config.jzero.frozen.compute_dtype:
+            return params
+        return jax.tree.map(lambda x, frozen: precision.cast_floating(x, pol.compute_dtype) if frozen else x,
+                            params, groups.frozen_mask(config, params))
 
     def make_state(k):
         return init_fn(k).state
@@ -174,7 +178,7 @@ def _prepare(init_fn, config, rng, mesh, model_specs, tx) -> _Prepared:
     if not jax.tree.leaves(params_shape):
         raise ConfigError("init_fn returned no parameters (an empty pytree)")
     config = resolve_auto_sizes(config, params_shape)
-    tx = optim.build(config).tx if tx is None else tx
+    tx = optim.build(config).tx if tx is None else groups.wrap(config, lambda _: tx)  # frozen leaves kept
     offload, offload_params = offload_kinds(config.zero_optimization)
     plan = sharding.plan(params_shape, tx, mesh, config.zero_optimization.stage,
                          persistence_threshold=config.zero_optimization.stage3_param_persistence_threshold,

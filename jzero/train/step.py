@@ -23,7 +23,7 @@ from jax.experimental.compute_on import compute_on
 from jax.sharding import PartitionSpec as P
 
 from jzero.train.state import TrainState
-from jzero.zero import fused, hooks, modelstate, optim, phase, precision
+from jzero.zero import fused, groups, hooks, modelstate, optim, phase, precision
 from jzero.zero.mesh import DATA_AXES, data_parallel_size
 from jzero.zero.rows import split_over
 from jzero.zero.sharding import ZERO_RULES
@@ -186,6 +186,7 @@ def _accumulated_grads(state: TrainState, stored: Any, batch: Any, rng: jax.Arra
     pol = precision.policy(cfg)
     accum, count = cfg.gradient_accumulation_steps, cfg.gradient_accumulation_steps * data_parallel_size(plan.mesh)
     hooked = _hooked(state)
+    frozen = groups.frozen_mask(cfg, state.params)
 
     def local(stored, targets, rows, rng, scale, model_state):
         rng = jax.random.fold_in(rng, jax.lax.axis_index(DATA_AXES))  # each device its own dropout
@@ -195,8 +196,8 @@ def _accumulated_grads(state: TrainState, stored: Any, batch: Any, rng: jax.Arra
         def grad_fn(mb, r, acc, ms):
             bound_acc = acc if hooked is None else None
             (_, (loss, aux, ms)), (grads, acc_grads) = jax.value_and_grad(
-                lambda t, a: _local_loss(state, hooked, stored, t, a, mb, r, scale, ms), argnums=(0, 1),
-                has_aux=True)(targets, bound_acc)
+                lambda t, a: _local_loss(state, hooked, stored, _stop_frozen(t, frozen), a, mb, r, scale, ms),
+                argnums=(0, 1), has_aux=True)(targets, bound_acc)
             grads, ms = precision.cast_floating(grads, pol.grad_accum_dtype), jax.tree.map(hooks.vary, ms)
             if acc is None:
                 return loss, aux, grads, ms
@@ -213,7 +214,8 @@ def _accumulated_grads(state: TrainState, stored: Any, batch: Any, rng: jax.Arra
             loss, aux, acc, model_state = _sum_over_micro_batches(
                 grad_fn, micro, rng, (zeros, loss0, jax.tree.map(hooks.vary, model_state)))
         if hooked is None:
-            acc = jax.tree.map(lambda g, s: _reduce_once(g, s.spec, wire(cfg)).astype(g.dtype), acc, plan.grads)
+            acc = jax.tree.map(lambda g, s, f: _reduce_once(g, s.spec, wire(cfg)).astype(g.dtype) if not f
+                               else _zeros_like_shard(g, s), acc, plan.grads, frozen)
         aux = None if aux is None else jax.tree.map(lambda a: jax.lax.pmean(a, DATA_AXES), aux)
         return (jax.lax.psum(loss, DATA_AXES) / count, aux, jax.tree.map(lambda g: g / count, acc),
                 modelstate.synchronized(model_state, DATA_AXES))
@@ -222,6 +224,23 @@ def _accumulated_grads(state: TrainState, stored: Any, batch: Any, rng: jax.Arra
     return jax.shard_map(local, mesh=plan.mesh, in_specs=(*specs, P(DATA_AXES), P(), P(), P()),
                          out_specs=(P(), P(), specs[1], P()))(stored, _targets(state), batch, rng, scale,
                                                                state.model_state)
+
+
+def _stop_frozen(targets: Any, frozen: Any) -> Any:
+    """``targets`` with the frozen leaves (`jzero.zero.groups`) cut from differentiation: their
+    hooks run forward only (no gradient reduction), and XLA drops their weight-gradient work
+    wherever the model's backward does not need it anyway."""
+    return jax.tree.map(lambda t, f: jax.lax.stop_gradient(t) if f else t, targets, frozen)
+
+
+def _zeros_like_shard(g: jax.Array, layout: Any) -> jax.Array:
+    """A frozen leaf's gradient as this device's block of ``layout``: zeros, never reduced
+    (stages 0-1 accumulate full local gradients; the reduction would make the shard)."""
+    shape = list(g.shape)
+    for dim, axes in enumerate(layout.spec):
+        for axis in () if axes is None else (axes if isinstance(axes, tuple) else (axes,)):
+            shape[dim] //= layout.mesh.shape[axis]
+    return jnp.zeros(shape, g.dtype)
 
 
 def _targets(state: TrainState) -> Any:

@@ -25,7 +25,7 @@ import optax
 
 from jzero.config import Config, ConfigError, ConfigWarning, OptimizerConfig
 from jzero.config.paramtable import Choice, canonical, resolve
-from jzero.zero import fused, schedules
+from jzero.zero import fused, groups, schedules
 
 FUSED = Choice(("auto", True, False), "auto")
 CLIENT = "client"  # the optimizer type of a config trained with a client optimizer (tx=)
@@ -76,14 +76,27 @@ def build(cfg: Config, lr: schedules.Schedule | None = None) -> Optimizer:
              else schedules.Schedules(lr, None))
     if name == "Adam" and not p["adam_w_mode"]:
         name = "AdamL2"
-    hyper = _HYPER[name](p, sched)
-    # Constant betas stay Python floats, as in optax.adamw(...) and torch: injected, they would
-    # be float32 arrays and (1 - b) round differently (a client optax.adamw would drift ~2e-6
-    # from the config's AdamW over 20 steps). Scheduled ones (OneCycle's beta1) are injected.
-    static = tuple(k for k, v in hyper.items() if isinstance(v, bool) or (k in ("b1", "b2") and not callable(v)))
     backend = fused_backend(cfg, notice=True)
     factory = functools.partial(fused.fused_adamw, backend=backend) if backend else _FACTORIES[name]
-    return Optimizer(optax.inject_hyperparams(factory, static_args=static)(**hyper), sched)
+
+    def one(group: groups.Group) -> optax.GradientTransformation:
+        decay = {} if group.weight_decay is None else {"weight_decay": group.weight_decay}
+        hyper = _HYPER[name]({**p, **decay}, _scaled(sched, group.lr_scale))
+        # Constant betas stay Python floats, as in optax.adamw(...) and torch: injected, they would
+        # be float32 arrays and (1 - b) round differently (a client optax.adamw would drift ~2e-6
+        # from the config's AdamW over 20 steps). Scheduled ones (OneCycle's beta1) are injected.
+        static = tuple(k for k, v in hyper.items() if isinstance(v, bool) or (k in ("b1", "b2") and not callable(v)))
+        return optax.inject_hyperparams(factory, static_args=static)(**hyper)
+
+    return Optimizer(groups.wrap(cfg, one), sched)
+
+
+def _scaled(sched: schedules.Schedules, scale: float) -> schedules.Schedules:
+    """``sched`` with its lr times ``scale`` (a parameter group's lr multiplier)."""
+    if scale == 1.0:
+        return sched
+    lr = sched.lr
+    return sched._replace(lr=(lambda count: scale * lr(count)) if callable(lr) else scale * lr)
 
 
 def learning_rate(opt_state: Any) -> jax.Array | None:
@@ -91,6 +104,9 @@ def learning_rate(opt_state: Any) -> jax.Array | None:
     `optax.inject_hyperparams` keeps in ``opt_state`` (None: the optimizer does not expose one)."""
     def injected(x: Any) -> bool:
         return isinstance(x, (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState))
+
+    if isinstance(opt_state, optax.MultiTransformState) and groups.DEFAULT in opt_state.inner_states:
+        opt_state = opt_state.inner_states[groups.DEFAULT]  # the default group's lr (scales apply to others)
 
     found = (x.hyperparams["learning_rate"] for x in jax.tree.leaves(opt_state, is_leaf=injected)
              if injected(x) and "learning_rate" in x.hyperparams)
@@ -106,6 +122,9 @@ def client(cfg: Config, tx: Any) -> Config:
         if section in cfg.source:
             raise ConfigError(f"{section}: the config has one and a client optimizer (tx=) is given; drop the "
                               f"section or tx= (a client optimizer carries its own schedule)")
+    if cfg.jzero.param_groups:
+        raise ConfigError("jzero.param_groups: they shape the config's optimizer; with a client optimizer (tx=) "
+                          "build them into tx (optax.multi_transform with jzero.param_labels(config))")
     return dataclasses.replace(cfg, optimizer=OptimizerConfig(type=CLIENT, params={}))
 
 
@@ -122,6 +141,8 @@ def fused_backend(cfg: Config, *, notice: bool = False) -> str | None:
         why = "zero_optimization.offload_optimizer runs the update on the host, where Pallas does not"
     elif name == "Adam" and not p["adam_w_mode"]:
         why = "the fused step is AdamW's (adam_w_mode: true)"
+    elif groups.active(cfg):
+        why = "jzero.param_groups / jzero.frozen split the optimizer into groups"
     backend = pallas_backend(platform)
     if backend is None and why is None:
         why = f"no Pallas backend for platform '{platform}'"

@@ -154,7 +154,9 @@ def opt_state_layout(tx: optax.GradientTransformation, params_shape: Any, update
     rows), with one warning when such leaves are large enough to matter."""
     loose = []
 
-    def param_like(leaf: Any, layout: NamedSharding, param: Any) -> NamedSharding:
+    def param_like(leaf: Any, layout: NamedSharding, param: Any) -> Any:
+        if isinstance(leaf, optax.MaskedNode):  # a param outside a masked transformation: no state
+            return leaf
         if leaf.shape == param.shape:
             return layout
         loose.append(leaf)
@@ -166,7 +168,7 @@ def opt_state_layout(tx: optax.GradientTransformation, params_shape: Any, update
 
     opt_shape = jax.eval_shape(tx.init, params_shape)
     layout = optax.tree_map_params(tx, param_like, opt_shape, update, params_shape, transform_non_params=other,
-                                   is_leaf=lambda x: isinstance(x, NamedSharding))
+                                   is_leaf=lambda x: isinstance(x, (NamedSharding, optax.MaskedNode)))
     large = [x for x in loose if math.prod(x.shape) >= LARGE_REPLICATED]
     if large:
         warnings.warn(f"optimizer state: {len(large)} leaves not shaped like their params stay replicated on every "
