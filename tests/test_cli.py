@@ -97,3 +97,15 @@ def test_profile_flops_by_scope_match_the_analytic_count():
     assert scopes["mlp"] == pytest.approx(6 * L * 2 * d * f * tokens, rel=0.05)
     assert scopes["attention"] == pytest.approx(6 * L * 4 * d * d * tokens + 12 * L * d * t * tokens, rel=0.05)
     assert report["top_collectives"] and report["arithmetic_intensity"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["hf_zero2.json", "hf_zero3.json"])
+def test_hf_templates_train_and_say_what_they_filled(tmp_path, name):
+    """Hugging Face's templates (a batch size and the tiny GPT's jzero section added) train with
+    `jzero train`, printing the Trainer defaults given to their "auto" keys in one line."""
+    proc = jzero_cli("train", f"configs/{name}", "--out", str(tmp_path / "run"), *FAST)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    filled = [line for line in proc.stderr.splitlines() if "'auto' filled with HF Trainer defaults" in line]
+    assert len(filled) == 1 and "optimizer.params.lr=5e-05" in filled[0] and "bf16.enabled=False" in filled[0]
+    assert [int(r["step"]) for r in read_csv(tmp_path / "run" / "metrics.csv")] == [1, 2, 3, 4]

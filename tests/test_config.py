@@ -13,6 +13,8 @@ from jzero import models
 from jzero.config import ConfigError, ConfigWarning
 from jzero.zero import optim, schedules
 
+from helpers import ROOT
+
 
 def base(**kw):
     cfg = {"train_batch_size": 16}
@@ -67,7 +69,10 @@ BAD = [
     (base(optimizer={"type": "AdamW", "params": {"learning_rate": 1e-3}}), 8,
      r"optimizer.params.learning_rate: unknown key for AdamW"),
     (base(optimizer={"type": "adam", "params": {"betas": [0.9]}}), 8, r"optimizer.params.betas: expected \[beta1"),
-    (base(optimizer={"type": "adam", "params": {"lr": "auto"}}), 8, r"optimizer.params.lr: 'auto' has no source"),
+    (base(optimizer={"type": "adam", "params": {"lr": "auto"}}, jzero={"auto": "strict"}), 8,
+     r"jzero.auto: strict, and these keys are 'auto', .*: optimizer.params.lr; set each"),
+    (base(scheduler={"type": "WarmupLR", "params": {"warmup_max_lr": 1e-3, "cycle": "auto"}}), 8,
+     r"scheduler.params.cycle: unknown key"),
     (base(optimizer={"type": "adam", "params": {"bias_correction": False}}), 8,
      r"optimizer.params.bias_correction: False is not supported"),
     (base(scheduler={"type": "WarmupCosine"}), 8, r"scheduler.type: unknown scheduler 'WarmupCosine'; did you mean"),
@@ -75,8 +80,9 @@ BAD = [
      r"scheduler.params.total_num_steps: required by WarmupDecayLR"),
     (base(scheduler={"type": "WarmupLR", "params": {"warmup_type": "cosine"}}), 8,
      r"scheduler.params.warmup_type: 'cosine' is not one of 'log', 'linear'"),
-    (base(scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": "auto"}}), 8,
-     r"scheduler.params.warmup_num_steps: 'auto' has no source"),
+    (base(scheduler={"type": "OneCycle", "params": {"cycle_min_lr": "auto", "cycle_max_lr": 1e-3,
+                                                    "cycle_first_step_size": 10}}), 8,
+     r"scheduler.params.cycle_min_lr: 'auto' has no source"),
     (base(pipeline={"stages": 2}), 8, r"pipeline: not supported by jzero: pipeline parallelism"),
     (base(moe={"num_experts": 4, "k": 5}), 8, r"moe.k: must be in 1..num_experts \(4\), got 5"),
     (base(moe={"num_experts": 6, "ep_size": 4}), 8, r"moe.ep_size: 4 does not divide num_experts 6"),
@@ -98,7 +104,8 @@ BAD = [
     (base(jzero={"quantization_block_size": 0}), 8, r"jzero.quantization_block_size: must be >= 1, got 0"),
     (base(bf16={"enabled": True}, fp16={"enabled": True}), 8, r"bf16.enabled and fp16.enabled: choose one"),
     (base(fp16={"loss_scale_window": 0}), 8, r"fp16.loss_scale_window: must be >= 1"),
-    (base(gradient_clipping="auto"), 8, r"gradient_clipping: 'auto' has no source"),
+    (base(gradient_clipping="auto", bf16={"enabled": "auto"}, jzero={"auto": "strict"}), 8,
+     r"these keys are 'auto', .*: gradient_clipping, bf16.enabled; set each"),
     (base(jzero={"remat": "dot"}), 8, r"jzero.remat: unknown policy 'dot'; did you mean 'dots'"),
     (base(jzero={"model": {"size": "huge"}}), 8, r"jzero.model.size: unknown size 'huge'"),
     (base(jzero={"model": {"n_heads": 5}}), 8, r"jzero.model.n_heads: 5 does not divide d_model 64"),
@@ -287,3 +294,28 @@ def test_one_cycle_leaves_momentum_of_optimizers_without_betas_alone():
     assert opt.schedules.momentum is None
     state = opt.tx.init({"w": jnp.zeros(3)})
     assert float(state.hyperparams["momentum"]) == 0.5
+
+
+HF_TEMPLATES = ["hf_zero2.json", "hf_zero3.json", "hf_zero3_offload.json"]
+
+
+@pytest.mark.parametrize("name", HF_TEMPLATES)
+def test_hf_templates_fill_the_trainers_auto_keys_in_one_warning(name):
+    """Every "auto" HF's Trainer fills gets the Trainer's default, said in one warning; the
+    keys jzero has a source for stay "auto" for their own rules; strict refuses them all."""
+    path = ROOT / "configs" / name
+    with pytest.warns(ConfigWarning) as caught:
+        cfg = jzero.load_config(path, dp_size=8)
+    (line,) = [str(w.message) for w in caught if "HF Trainer defaults" in str(w.message)]
+    for key in ("optimizer.params.lr=5e-05", "optimizer.params.betas=[0.9, 0.999]", "optimizer.params.eps=1e-08",
+                "optimizer.params.weight_decay=0.0", "scheduler.params.warmup_num_steps=0", "gradient_clipping=1.0",
+                "fp16.enabled=False", "bf16.enabled=False", "gradient_accumulation_steps=1"):
+        assert key in line
+    assert "train_micro_batch_size_per_gpu" not in line  # derived from the given train_batch_size
+    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (32, 4, 1)
+    assert cfg.optimizer.params["lr"] == 5e-5 and cfg.scheduler.params["warmup_max_lr"] == 5e-5
+    raw = json.loads(path.read_text())
+    raw["jzero"]["auto"] = "strict"
+    with pytest.raises(ConfigError, match=r"jzero.auto: strict, .*: optimizer.params.lr, optimizer.params.betas, "
+                                          r"optimizer.params.eps, optimizer.params.weight_decay, .*bf16.enabled"):
+        jzero.load_config(raw, dp_size=8)

@@ -196,9 +196,11 @@ def test_offload_configs_train_from_the_cli(tmp_path):
         evals[name] = [float(r["eval_loss"]) for r in read_csv(tmp_path / name / "metrics.csv") if r["eval_loss"]]
     np.testing.assert_allclose(evals["offload"], evals["device"], rtol=1e-6)
     assert evals["offload"][-1] < evals["offload"][0]
-    hf = jzero_cli("train", "configs/hf_zero3_offload.json", "--out", str(tmp_path / "hf"), *short, timeout=600,
-                   optimized=True)
+    hf = jzero_cli("train", "configs/hf_zero3_offload.json", "--out", str(tmp_path / "hf"), *short,
+                   "--set", "optimizer.params.lr=5e-4", timeout=600, optimized=True)  # HF's default 5e-5 is slow
     assert hf.returncode == 0, hf.stderr[-2000:]
     assert "per-device state in host memory (offloaded)" in hf.stdout
+    filled = [line for line in hf.stderr.splitlines() if "'auto' filled with HF Trainer defaults" in line]
+    assert len(filled) == 1 and "gradient_clipping=1.0" in filled[0] and "optimizer.params.lr" not in filled[0]
     hf_evals = [float(r["eval_loss"]) for r in read_csv(tmp_path / "hf" / "metrics.csv") if r["eval_loss"]]
     assert hf_evals[-1] < hf_evals[0]

@@ -1,6 +1,6 @@
 """Config: typed, frozen configuration with DeepSpeed's key names. The schema (here), its parser
-(`typed`), DeepSpeed's elasticity arithmetic (`elastic`) and the `{param: default}` checker
-(`paramtable`). The bottom layer: imports no jzero module outside this package.
+(`typed`), DeepSpeed's elasticity arithmetic (`elastic`), the `{param: default}` checker
+(`paramtable`), HF's "auto" (`hf`). The bottom layer: imports no jzero module outside it.
 
 `typed` and `elastic` import no jzero module at all, so every module can read a `Config` and
 raise `ConfigError` without pulling anything else in. `parse_config` turns a DeepSpeed ``ds_config``
@@ -284,6 +284,7 @@ class JzeroConfig:
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
     param_groups: tuple[ParamGroupConfig, ...] = ()
     frozen: FrozenConfig = field(default_factory=FrozenConfig)
+    auto: Literal["hf_defaults", "strict"] = "hf_defaults"  # HF Trainer "auto" keys: `jzero.config.hf`
 
 
 @dataclass(frozen=True, eq=False)

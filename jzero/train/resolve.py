@@ -28,6 +28,7 @@ from jzero.config import (
     ConfigError,
     ConfigWarning,
     ZeroConfig,
+    hf,
     parse_config,
     read_json,
     with_hidden_size,
@@ -61,7 +62,7 @@ def load_config(source: str | os.PathLike | Mapping[str, Any], *, dp_size: int |
     ``dp_size`` is the data-parallel size the batch rule is checked against; by default the
     number of devices the config's mesh will use (``jzero.mesh.devices`` or all devices).
     """
-    raw = {k: v for k, v in read_json(source).items() if not k.startswith("_comment")}
+    raw = _fill_trainer_auto({k: v for k, v in read_json(source).items() if not k.startswith("_comment")})
     for key in raw:
         if key in UNSUPPORTED_SECTIONS and _enabled(raw[key]):
             raise ConfigError(f"{key}: not supported by jzero: {UNSUPPORTED_SECTIONS[key]}")
@@ -77,9 +78,6 @@ def load_config(source: str | os.PathLike | Mapping[str, Any], *, dp_size: int |
     if noops:
         warnings.warn(f"jzero ignores these DeepSpeed sections (no effect under XLA): {', '.join(noops)}",
                       ConfigWarning, stacklevel=2)
-    if cfg.gradient_clipping == AUTO:
-        raise ConfigError("gradient_clipping: 'auto' has no source in jzero (no HF TrainingArguments); "
-                          "set a number (0 = off)")
     _check_ranges(cfg)
     remat.validate(cfg.jzero.remat)
     models.validate(cfg)
@@ -87,6 +85,21 @@ def load_config(source: str | os.PathLike | Mapping[str, Any], *, dp_size: int |
     groups.validate(cfg)
     cfg = dataclasses.replace(cfg, optimizer=optim.validate(cfg.optimizer), source=raw)
     return dataclasses.replace(cfg, scheduler=schedules.validate(cfg))
+
+
+def _fill_trainer_auto(raw: dict[str, Any]) -> dict[str, Any]:
+    """``raw`` with the "auto" keys only HF's Trainer fills given the Trainer's defaults (one
+    warning lists them), or one error listing them all under ``jzero.auto: strict``."""
+    keys = hf.trainer_keys(raw)
+    if not keys:
+        return raw
+    section = raw.get("jzero")
+    if isinstance(section, Mapping) and section.get("auto") == "strict":
+        raise ConfigError(f"jzero.auto: strict, and these keys are 'auto', which only HF's Trainer fills (from its "
+                          f"TrainingArguments): {', '.join(keys)}; set each to a value")
+    raw, filled = hf.fill(raw)
+    warnings.warn(hf.describe(filled), ConfigWarning, stacklevel=3)
+    return raw
 
 
 def resolve_auto_sizes(config: Config, params_shape: Any) -> Config:

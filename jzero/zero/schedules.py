@@ -67,8 +67,11 @@ def validate(cfg: Config) -> SchedulerConfig | None:
         raise ConfigError("scheduler.params.last_batch_iteration: jzero resumes schedules from checkpoints; "
                           "valid: -1")
     for key in ("warmup_num_steps", "lr_range_test_step_size", "cycle_first_step_size"):
-        if key in params and not (isinstance(params[key], (int, float)) and params[key] > 0):
-            raise ConfigError(f"scheduler.params.{key}: must be a positive number, got {params[key]!r}")
+        zero_ok = key == "warmup_num_steps"  # DeepSpeed warms up max(2, n) steps: HF's default 0 is valid
+        value = params.get(key, 1)
+        if not isinstance(value, (int, float)) or value < 0 or (value == 0 and not zero_ok):
+            raise ConfigError(f"scheduler.params.{key}: must be a {'non-negative' if zero_ok else 'positive'} "
+                              f"number, got {value!r}")
     if params.get("warmup_max_lr", 0) is None:
         params["warmup_max_lr"] = cfg.optimizer.params["lr"]
     return SchedulerConfig(type=name, params=params)
