@@ -265,3 +265,20 @@ def test_a_linen_model_without_a_mode_argument_is_one_clear_error():
     init_fn, loss_fn = jzero.from_linen(Fixed(), SAMPLE, mse)
     with pytest.raises(ValueError, match=r"from_linen: Fixed has state \['batch_stats'\] but its __call__ takes none"):
         jzero.init(init_fn, config(1, 1), loss_fn=loss_fn, rng=0)
+
+
+def test_a_state_that_changes_shape_is_one_clear_error():
+    """A loss that returns its state with another shape (a growing collection) is refused by
+    name, not by a shard_map type error."""
+    from jzero import Variables
+
+    def init_fn(rng):
+        return Variables({"w": jax.random.normal(rng, (FEATURES, 1))}, {"seen": jnp.zeros((2,))})
+
+    def loss_fn(params, batch, rng, state):
+        loss = jnp.mean((batch["inputs"] @ params["w"])[:, 0] ** 2)
+        return loss, {"seen": jnp.concatenate([state["seen"], jnp.ones(1)])}
+
+    state = jzero.init(init_fn, config(2, 1), loss_fn=loss_fn, rng=0)
+    with pytest.raises(ValueError, match=r"model state: seen is \(\(3,\), .*\) after the step but \(\(2,\)"):
+        jzero.train_step(state, batches()[0])

@@ -23,7 +23,7 @@ from jax.experimental.compute_on import compute_on
 from jax.sharding import PartitionSpec as P
 
 from jzero.train.state import TrainState
-from jzero.zero import fused, groups, hooks, modelstate, optim, phase, precision
+from jzero.zero import fused, groups, hooks, modelstate, optim, phase, precision, treepath
 from jzero.zero.mesh import DATA_AXES, data_parallel_size
 from jzero.zero.rows import split_over
 from jzero.zero.sharding import ZERO_RULES
@@ -139,11 +139,25 @@ def _loss_and_aux(state: TrainState, params: Any, batch: Any, rng: jax.Array, sc
             out, new_state = state.loss_fn(params, batch, rng), None
         else:
             out, new_state = state.loss_fn(params, batch, rng, model_state)
+            _check_model_state(model_state, new_state)
     if ctx is not None:
         hooks.check_used(ctx)
     loss, aux = out if isinstance(out, tuple) else (out, None)
     loss = loss.astype(jnp.float32)
     return loss * scale, (loss, aux, new_state)
+
+
+def _check_model_state(before: Any, after: Any) -> None:
+    """One line naming the leaf when a model's new state is not laid out like the old: jzero
+    keeps the state at fixed shapes, replicated, from step to step (`jzero.zero.modelstate`)."""
+    shapes = {n: (x.shape, x.dtype) for n, x in treepath.named_leaves(before).items()}
+    new = {n: (x.shape, x.dtype) for n, x in treepath.named_leaves(after).items()}
+    if shapes != new:
+        name = next(n for n in sorted(set(shapes) | set(new)) if shapes.get(n) != new.get(n))
+        raise ValueError(f"model state: {name} is {new.get(name, 'missing')} after the step but "
+                         f"{shapes.get(name, 'missing')} before; loss_fn must return the state with the same leaves, "
+                         "shapes and dtypes it was given (collections that grow, like a decoding cache, are not "
+                         "trainable state)")
 
 
 def _hooked(state: TrainState) -> Any:
