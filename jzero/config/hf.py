@@ -62,8 +62,9 @@ def trainer_keys(raw: Mapping[str, Any]) -> list[str]:
 def describe(filled: Mapping[str, Any]) -> str:
     """One line: each filled key and its value."""
     values = ", ".join(f"{key}={value!r}" for key, value in filled.items())
+    finder = " (jzero train --auto-lr finds an lr instead)" if "optimizer.params.lr" in filled else ""
     return (f"'auto' filled with HF Trainer defaults (no TrainingArguments here): {values}; override with "
-            f"--set KEY=VALUE, or refuse them with jzero.auto: strict")
+            f"--set KEY=VALUE{finder}, or refuse them with jzero.auto: strict")
 
 
 def _get(tree: Mapping[str, Any], key: str) -> Any:

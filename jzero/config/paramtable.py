@@ -46,9 +46,7 @@ def resolve(section: str, name: str, table: Mapping[str, Any], given: Mapping[st
         default = table[key]
         if value == AUTO and not (isinstance(default, Choice) and AUTO in default.options):
             if auto is None:
-                raise ConfigError(f"{where}: 'auto' has no source in jzero; set a value"
-                                  + (" (or run jzero train --auto-lr: the lr range test picks it)"
-                                     if where.endswith(".lr") else ""))
+                raise ConfigError(f"{where}: 'auto' has no source in jzero; set a value")
             out[key] = auto(key)
         else:
             out[key] = check(where, default, value)

@@ -95,8 +95,9 @@ def _fill_trainer_auto(raw: dict[str, Any]) -> dict[str, Any]:
         return raw
     section = raw.get("jzero")
     if isinstance(section, Mapping) and section.get("auto") == "strict":
+        finder = " (an lr: or run jzero train --auto-lr)" if "optimizer.params.lr" in keys else ""
         raise ConfigError(f"jzero.auto: strict, and these keys are 'auto', which only HF's Trainer fills (from its "
-                          f"TrainingArguments): {', '.join(keys)}; set each to a value")
+                          f"TrainingArguments): {', '.join(keys)}; set each to a value{finder}")
     raw, filled = hf.fill(raw)
     warnings.warn(hf.describe(filled), ConfigWarning, stacklevel=3)
     return raw
