@@ -5,6 +5,10 @@ that threads the statistics through its micro-batches and the blocks' statistics
 params and statistics after 10 steps at rtol 1e-5, every stage x 1/2/8 devices x accumulation
 1/4. Evaluation reads the carried statistics; checkpoints and exports keep them."""
 import functools
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import flax.linen as nn
 import jax
@@ -17,6 +21,8 @@ from flax import nnx
 import jzero
 from jzero.config import ConfigError
 from jzero.runtime.checkpoint import Checkpointer
+
+from helpers import cli_env
 
 STEPS, BATCH, LR, EPS, FEATURES = 10, 128, 1e-2, 1e-6, 8  # 4 rows per BatchNorm at 8 devices x 4
 
@@ -282,3 +288,31 @@ def test_a_state_that_changes_shape_is_one_clear_error():
     state = jzero.init(init_fn, config(2, 1), loss_fn=loss_fn, rng=0)
     with pytest.raises(ValueError, match=r"model state: seen is \(\(3,\), .*\) after the step but \(\(2,\)"):
         jzero.train_step(state, batches()[0])
+
+
+@pytest.mark.slow
+def test_a_killed_run_resumes_bit_for_bit(tmp_path):
+    """A process trains 5 steps, saves, trains on and is SIGKILLed; this process restores the
+    save and trains 5 more: params and statistics equal 10 straight steps bit for bit."""
+    script = (f"import os, signal, sys; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+              "import jzero, test_model_state as t\n"
+              "from jzero.runtime.checkpoint import Checkpointer\n"
+              "init_fn, loss_fn = t.ADAPTERS['linen']()\n"
+              "state = jzero.init(init_fn, t.config(3, 4), loss_fn=loss_fn, rng=0)\n"
+              "data = t.batches()\n"
+              "for batch in data[:5]:\n    state, _ = jzero.train_step(state, batch)\n"
+              f"ckpt = Checkpointer({str(tmp_path / 'ckpt')!r})\nckpt.save(state, force=True)\nckpt.wait()\n"
+              "for batch in data[5:7]:\n    state, _ = jzero.train_step(state, batch)\n"
+              "os.kill(os.getpid(), signal.SIGKILL)\n")
+    env = {**cli_env(), "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    init_fn, loss_fn = ADAPTERS["linen"]()
+    resumed = Checkpointer(tmp_path / "ckpt").restore(jzero.abstract_init(init_fn, config(3, 4), loss_fn=loss_fn))
+    assert int(resumed.step) == 5
+    for batch in batches()[5:]:
+        resumed, _ = jzero.train_step(resumed, batch)
+    _, straight = run("linen", 3, 8, 4)
+    for a, b in zip(jax.tree.leaves((straight.params, straight.model_state)),
+                    jax.tree.leaves((resumed.params, resumed.model_state)), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
