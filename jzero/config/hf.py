@@ -54,11 +54,6 @@ def fill(raw: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     return out, filled
 
 
-def trainer_keys(raw: Mapping[str, Any]) -> list[str]:
-    """The ``"auto"`` keys of ``raw`` that only HF's Trainer can fill (what `fill` would fill)."""
-    return list(fill(raw)[1])
-
-
 def describe(filled: Mapping[str, Any]) -> str:
     """One line: each filled key and its value."""
     values = ", ".join(f"{key}={value!r}" for key, value in filled.items())

@@ -90,17 +90,16 @@ def load_config(source: str | os.PathLike | Mapping[str, Any], *, dp_size: int |
 def _fill_trainer_auto(raw: dict[str, Any]) -> dict[str, Any]:
     """``raw`` with the "auto" keys only HF's Trainer fills given the Trainer's defaults (one
     warning lists them), or one error listing them all under ``jzero.auto: strict``."""
-    keys = hf.trainer_keys(raw)
-    if not keys:
+    filled_raw, filled = hf.fill(raw)
+    if not filled:
         return raw
     section = raw.get("jzero")
     if isinstance(section, Mapping) and section.get("auto") == "strict":
-        finder = " (an lr: or run jzero train --auto-lr)" if "optimizer.params.lr" in keys else ""
+        finder = " (an lr: or run jzero train --auto-lr)" if "optimizer.params.lr" in filled else ""
         raise ConfigError(f"jzero.auto: strict, and these keys are 'auto', which only HF's Trainer fills (from its "
-                          f"TrainingArguments): {', '.join(keys)}; set each to a value{finder}")
-    raw, filled = hf.fill(raw)
+                          f"TrainingArguments): {', '.join(filled)}; set each to a value{finder}")
     warnings.warn(hf.describe(filled), ConfigWarning, stacklevel=3)
-    return raw
+    return filled_raw
 
 
 def resolve_auto_sizes(config: Config, params_shape: Any) -> Config:

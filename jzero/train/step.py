@@ -149,15 +149,16 @@ def _loss_and_aux(state: TrainState, params: Any, batch: Any, rng: jax.Array, sc
 
 def _check_model_state(before: Any, after: Any) -> None:
     """One line naming the leaf when a model's new state is not laid out like the old: jzero
-    keeps the state at fixed shapes, replicated, from step to step (`jzero.zero.modelstate`)."""
-    shapes = {n: (x.shape, x.dtype) for n, x in treepath.named_leaves(before).items()}
-    new = {n: (x.shape, x.dtype) for n, x in treepath.named_leaves(after).items()}
-    if shapes != new:
-        name = next(n for n in sorted(set(shapes) | set(new)) if shapes.get(n) != new.get(n))
-        raise ValueError(f"model state: {name} is {new.get(name, 'missing')} after the step but "
-                         f"{shapes.get(name, 'missing')} before; loss_fn must return the state with the same leaves, "
-                         "shapes and dtypes it was given (collections that grow, like a decoding cache, are not "
-                         "trainable state)")
+    keeps the state at fixed shapes and dtypes, replicated, from step to step."""
+    def layout(tree: Any) -> dict[str, tuple]:
+        return {n: (*x.shape, str(x.dtype)) for n, x in treepath.named_leaves(tree).items()}
+
+    mismatch = treepath.first_mismatch(layout(before), layout(after), "state loss_fn was given",
+                                       "state it returned")
+    if mismatch:
+        raise ValueError(f"model state: {mismatch} (shape, dtype); loss_fn must return its state with the same "
+                         "leaves, shapes and dtypes (a growing collection, like a decoding cache, is not trainable "
+                         "state)")
 
 
 def _hooked(state: TrainState) -> Any:
@@ -250,11 +251,7 @@ def _stop_frozen(targets: Any, frozen: Any) -> Any:
 def _zeros_like_shard(g: jax.Array, layout: Any) -> jax.Array:
     """A frozen leaf's gradient as this device's block of ``layout``: zeros, never reduced
     (stages 0-1 accumulate full local gradients; the reduction would make the shard)."""
-    shape = list(g.shape)
-    for dim, axes in enumerate(layout.spec):
-        for axis in () if axes is None else (axes if isinstance(axes, tuple) else (axes,)):
-            shape[dim] //= layout.mesh.shape[axis]
-    return jnp.zeros(shape, g.dtype)
+    return jnp.zeros(layout.shard_shape(g.shape), g.dtype)
 
 
 def _targets(state: TrainState) -> Any:
