@@ -67,7 +67,8 @@ def test_optax_adamw_equals_the_config_adamw():
 
 
 @pytest.mark.parametrize("name", CLIENTS)
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("stage", [pytest.param(0, marks=pytest.mark.slow), 1,
+                                   pytest.param(2, marks=pytest.mark.slow), 3])  # 0, 2: the slow suite
 def test_client_optimizers_equal_their_plain_loops(name, stage):
     ref_losses, ref_params = plain(name)
     losses, state, _ = train(config(stage), tx=CLIENTS[name](), steps=len(ref_losses))

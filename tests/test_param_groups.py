@@ -62,7 +62,9 @@ def run(stage, accum, jzero_section=None):
     return np.array(losses), first, state
 
 
-@pytest.mark.parametrize("stage,accum", [(0, 4), (1, 1), (2, 4), (3, 1), (3, 4)])
+@pytest.mark.parametrize("stage,accum", [(0, 4), pytest.param(1, 1, marks=pytest.mark.slow),
+                                         pytest.param(2, 4, marks=pytest.mark.slow),
+                                         pytest.param(3, 1, marks=pytest.mark.slow), (3, 4)])
 def test_groups_and_frozen_equal_a_plain_multi_transform_loop(stage, accum):
     ref_losses, ref_params = optax_loop("gpt", reference_tx())
     losses, first, state = run(stage, accum)
