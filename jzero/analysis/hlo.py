@@ -119,6 +119,12 @@ def _requested_dtype(line: str, defs: dict[str, str], instructions: dict[str, li
     fusion that rounds to 16 bits and converts back). None when nothing was widened."""
     if not re.search(r"to_apply=%[\w.\-]+_promoted\b", line):
         return None
+    return _rounded_to(line, defs, instructions, depth=2)
+
+
+def _rounded_to(line: str, defs: dict[str, str], instructions: dict[str, list[str]], depth: int) -> str | None:
+    """The 16-bit dtype the operands of ``line`` were rounded to, looking through ``depth``
+    levels of concatenation (a gradient bucket: `jzero.zero.buckets`)."""
     call = re.search(r" [a-z\-]+\(([^)]*)\)", line.split("=", 1)[1])
     operands = re.findall(r"%([\w.\-]+)", call.group(1)) if call else []
     for name in operands:
@@ -128,6 +134,10 @@ def _requested_dtype(line: str, defs: dict[str, str], instructions: dict[str, li
         for wanted in ("bf16", "f16"):
             if re.search(rf"\b{wanted}\[", body):
                 return wanted
+        if depth and " concatenate(" in text:
+            found = _rounded_to(text, defs, instructions, depth - 1)
+            if found:
+                return found
     return None
 
 

@@ -23,7 +23,7 @@ from jax.experimental.compute_on import compute_on
 from jax.sharding import PartitionSpec as P
 
 from jzero.train.state import TrainState
-from jzero.zero import fused, groups, hooks, modelstate, optim, phase, precision, treepath
+from jzero.zero import buckets, fused, groups, hooks, modelstate, optim, phase, precision, treepath
 from jzero.zero.mesh import DATA_AXES, data_parallel_size
 from jzero.zero.rows import split_over
 from jzero.zero.sharding import ZERO_RULES
@@ -88,7 +88,7 @@ def _apply_update(state: TrainState, grads: Any, divisor: jax.Array, overflow: j
     is_fused = optim.fused_backend(state.config) is not None
     grads, params = _constrain(grads, plan.update), _constrain(state.params, plan.update)
     params, opt_state = _update(state, grads, params, divisor, overflow, is_fused)
-    params, opt_state = _constrain(params, plan.params), _constrain(opt_state, plan.opt_state)
+    params, opt_state = _constrain(_to_stored(params, plan), plan.params), _constrain(opt_state, plan.opt_state)
     if precision.loss_scaler(state.config) is not None:
         def keep_on_overflow(old, new):  # the fused kernel already kept its arrays
             return new if is_fused and new.ndim else jnp.where(overflow, old, new)
@@ -97,6 +97,23 @@ def _apply_update(state: TrainState, grads: Any, divisor: jax.Array, overflow: j
             params = jax.tree.map(keep_on_overflow, state.params, params)
         opt_state = jax.tree.map(keep_on_overflow, state.opt_state, opt_state)
     return params, opt_state
+
+
+def _to_stored(params: Any, plan: Any) -> Any:
+    """The new params moved from the update layout to the stored one: at stages 1-2 each
+    leaf's all-gather over its ZeRO group, written out (`buckets.all_gather`: whole chunks put in
+    place, where GSPMD's all-gather transposes the array element by element, twice)."""
+    def one(p: jax.Array, update: Any, stored: Any) -> jax.Array:
+        if update.spec == stored.spec:
+            return p
+        red = hooks.reduction(update.spec)
+        gather = functools.partial(buckets.all_gather, dim=red.dim, axes=red.scatter)
+        # check_vma off: an all-gather's result is the same on every device of the group, which
+        # JAX's varying-axes types do not record
+        return jax.shard_map(gather, mesh=plan.mesh, in_specs=update.spec, out_specs=stored.spec,
+                             check_vma=False)(p)
+
+    return jax.tree.map(one, params, plan.update, plan.params)
 
 
 def _update(state: TrainState, grads: Any, params: Any, divisor: jax.Array, overflow: jax.Array,
@@ -167,7 +184,7 @@ def _hooked(state: TrainState) -> Any:
     plan = state.plan
     if ZERO_RULES[plan.stage].reduce_once:
         return None
-    return hooks.leaf_hooks(plan.compute, plan.grads)
+    return hooks.leaf_hooks(plan.compute, plan.grads, groups.frozen_mask(state.config, state.params))
 
 
 def _local_loss(state: TrainState, hooked: Any, stored: Any, targets: Any, acc: Any, rows: Any, rng: jax.Array,
@@ -278,7 +295,7 @@ def _sum_over_micro_batches(grad_fn, micro: Any, rng: jax.Array, start: Any):
 def _reduce_once(g: jax.Array, spec: P, on_wire: hooks.Wire) -> jax.Array:
     """A device's accumulated gradient summed over the data devices as ``on_wire`` says, laid
     out as ``spec``: reduce-scattered along its ZeRO dimension, else all-reduced; fp32 after."""
-    return hooks.reduce(g, hooks.reduction(spec), on_wire)
+    return hooks.reduce([g], [hooks.reduction(spec)], on_wire)[0]
 
 
 def wire(cfg: Any) -> hooks.Wire:

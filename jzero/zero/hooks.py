@@ -6,16 +6,20 @@ At stages 2-3 the jzero step computes every micro-batch's gradient under one ``j
 over the data axes (`jzero.train.step`): each device runs the model on its own rows and differentiates
 with respect to its *target*, the param's local view in the reduced-gradient layout
 (``Plan.grads``). `bind` turns the stored params and the targets into the tree the model sees,
-through one of three hooks per leaf, chosen by the ZeRO table (`hook_kind`), each a custom VJP
-whose backward is `reduce` as the leaf's gradient layout says (`reduction`):
+each leaf through one of three hook kinds chosen by the ZeRO table (`hook_kind`), whose backward
+is `reduce` as the leaf's gradient layout says (`reduction`):
 
 * ``gather`` (stored sharded, stage 3): all-gather the shard over its ZeRO group in the compute
   dtype, moved as its raw 16-bit pattern so no backend can widen it; backward: reduce-scatter
   the gradient over the group (then sum over "replica") in the communication dtype (fp32 unless
   ``communication_data_type`` says otherwise), back to fp32 after.
 * ``sink`` (stored replicated, gradient sharded: stage 2, or stage-3 persistent params): use the
-  local replica (`local`); backward: the same reduce-scatter into the target shard.
+  local replica; backward: the same reduce-scatter into the target shard.
 * ``replicate`` (nothing divisible): use the local replica; backward: all-reduce.
+
+One custom VJP (`hook`) serves every leaf of a layer (and, once, every leaf outside the
+stacks), so a layer's gradients leave in one bucket per reduction (`jzero.zero.buckets`), not
+one collective per leaf; frozen leaves get a hook of their own, whose backward never runs.
 
 The ZeRO group is "fsdp" (with "expert" for non-expert leaves under MoE); an expert leaf's
 gradient is never summed over "expert" (`jzero.zero.sharding`: each device's experts are its own).
@@ -41,7 +45,7 @@ import contextlib
 import contextvars
 import functools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -51,7 +55,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jzero.zero import zeropp
+from jzero.zero import buckets, zeropp
 from jzero.zero.mesh import DATA_AXES, FSDP
 from jzero.zero.sharding import is_stacked
 
@@ -70,14 +74,18 @@ class Reduce(NamedTuple):
 
 
 class LeafHook(NamedTuple):
-    """A leaf's hook (`hook_kind`) and how its gradient is reduced."""
+    """A leaf's hook (`hook_kind`), how its gradient is reduced, and whether it is frozen (it
+    gets no gradient, so it stays out of the others' bucket)."""
     kind: str
     reduce: Reduce
+    frozen: bool = False
 
 
-def leaf_hooks(stored: Any, grads: Any) -> Any:
-    """A `LeafHook` per leaf from its stored and reduced-gradient layouts (the Plan's)."""
-    return jax.tree.map(lambda s, g: LeafHook(hook_kind(s, g), reduction(g.spec)), stored, grads)
+def leaf_hooks(stored: Any, grads: Any, frozen: Any = None) -> Any:
+    """A `LeafHook` per leaf from its stored and reduced-gradient layouts (the Plan's) and the
+    ``frozen`` mask (`jzero.zero.groups.frozen_mask`; None: nothing frozen)."""
+    frozen = jax.tree.map(lambda _: False, stored) if frozen is None else frozen
+    return jax.tree.map(lambda s, g, f: LeafHook(hook_kind(s, g), reduction(g.spec), f), stored, grads, frozen)
 
 
 class Bound(NamedTuple):
@@ -86,6 +94,7 @@ class Bound(NamedTuple):
     kind: str
     reduce: Reduce | None
     inputs: tuple[jax.Array, ...]
+    frozen: bool = False
 
 
 class Wire(NamedTuple):
@@ -172,64 +181,82 @@ def from_wire(x: jax.Array, dtype: Any) -> jax.Array:
     return jax.lax.bitcast_convert_type(x, dtype) if x.dtype == jnp.uint16 else x
 
 
-def reduce(ct: jax.Array, red: Reduce, wire: Wire) -> jax.Array:
-    """Sum a device's local gradient over the data devices, as ``red`` says: scatter inside the
-    ZeRO group, then add over the other axes (a trivial axis moves no data), in the wire's
-    communication dtype, or as int8 blocks (qgZ) where the chunks are whole blocks; fp32."""
-    if zeropp.can_reduce(ct, red.dim, red.scatter, wire.grads):
-        return zeropp.reduce_scatter(ct, red.dim, red.scatter, red.over, wire.grads, wire.comm)
-    g = ct.astype(wire.comm)
-    if red.dim is not None:
-        g = jax.lax.psum_scatter(g, red.scatter, scatter_dimension=red.dim, tiled=True)
-    return (jax.lax.psum(g, red.over) if red.over else g).astype(jnp.float32)
+def reduce(cts: Sequence[jax.Array], reds: Sequence[Reduce], wire: Wire) -> list[jax.Array]:
+    """Sum each device's local gradients over the data devices, as their ``reds`` say: scatter
+    inside the ZeRO group, then add over the other axes (a trivial axis moves no data), in the
+    wire's communication dtype, the leaves that share a reduction as one bucket
+    (`jzero.zero.buckets`), or as int8 blocks (qgZ) where the chunks are whole blocks; fp32."""
+    out: list[Any] = [None] * len(cts)
+    shared: dict[tuple, list[int]] = {}
+    for i, (ct, red) in enumerate(zip(cts, reds, strict=True)):
+        if zeropp.can_reduce(ct, red.dim, red.scatter, wire.grads):
+            out[i] = zeropp.reduce_scatter(ct, red.dim, red.scatter, red.over, wire.grads, wire.comm)
+        else:
+            shared.setdefault((red.dim is None, red.scatter, red.over), []).append(i)
+    for (whole, scatter, over), idx in shared.items():
+        gs = [cts[i].astype(wire.comm) for i in idx]
+        summed = (buckets.all_reduce(gs, over) if whole
+                  else buckets.reduce_scatter(gs, [reds[i].dim for i in idx], scatter, over))
+        for i, g in zip(idx, summed, strict=True):
+            out[i] = g.astype(jnp.float32)
+    return out
 
 
 HOOK = "jzero_hook"  # the name on every hook's output: remat never saves it (`_never_save_hooks`)
 
 
-# Each hook takes (value, target): ``value`` is what the forward uses (the stored shard or
-# replica, never differentiated), ``target`` what receives the reduced gradient (fp32, in the
-# reduced-gradient layout; its value is never read).
+# The hook takes (values, targets): ``values`` are what the forward uses (the stored shards or
+# replicas, never differentiated), ``targets`` what receive the reduced gradients (fp32, in the
+# reduced-gradient layout; their values are never read).
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def gather(shard: jax.Array, target: jax.Array, red: Reduce, wire: Wire) -> jax.Array:
-    """The full param from its ZeRO shard, in the compute dtype: moved as its raw 16-bit
-    pattern, or as int8 blocks (qwZ); backward: the gradient reduced back to the shard."""
-    if zeropp.can_gather(shard, wire.weights):
-        full = zeropp.gather(shard, red.dim, red.scatter, wire.compute, wire.weights)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def hook(values: tuple, targets: tuple, kinds: tuple[str, ...], reds: tuple[Reduce, ...], wire: Wire) -> tuple:
+    """The compute-dtype values the model uses, each through its ``kinds`` hook; backward:
+    their gradients reduced together (`reduce`: one bucket per reduction)."""
+    return tuple(_use(v, kind, red, wire) for v, kind, red in zip(values, kinds, reds, strict=True))
+
+
+def _use(value: jax.Array, kind: str, red: Reduce, wire: Wire) -> jax.Array:
+    """``gather``: the full param from its ZeRO shard, moved as its raw 16-bit pattern, or as
+    int8 blocks (qwZ); ``sink`` / ``replicate``: the local replica; in the compute dtype."""
+    if kind != "gather":
+        full = value.astype(wire.compute)
+    elif zeropp.can_gather(value, wire.weights):
+        full = zeropp.gather(value, red.dim, red.scatter, wire.compute, wire.weights)
     else:
-        moved = jax.lax.all_gather(to_wire(shard.astype(wire.compute)), red.scatter, axis=red.dim, tiled=True)
+        moved = jax.lax.all_gather(to_wire(value.astype(wire.compute)), red.scatter, axis=red.dim, tiled=True)
         full = from_wire(moved, wire.compute)
     return checkpoint_name(vary(full), HOOK)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def local(replica: jax.Array, target: jax.Array, red: Reduce, wire: Wire) -> jax.Array:
-    """The local replica (sink and replicate hooks); backward: the gradient reduced per ``red``."""
-    return checkpoint_name(vary(replica.astype(wire.compute)), HOOK)
+def _hook_fwd(values, targets, kinds, reds, wire):
+    return hook(values, targets, kinds, reds, wire), None
 
 
-def _reduce_fwd(hook):
-    def fwd(value, target, red, wire):
-        return hook(value, target, red, wire), None
-
-    return fwd
+def _hook_bwd(kinds, reds, wire, _, cts):
+    return tuple(None for _ in cts), tuple(reduce(cts, reds, wire))
 
 
-def _reduce_bwd(red, wire, _, ct):
-    return None, reduce(ct, red, wire)
+hook.defvjp(_hook_fwd, _hook_bwd)
 
 
-gather.defvjp(_reduce_fwd(gather), _reduce_bwd)
-local.defvjp(_reduce_fwd(local), _reduce_bwd)
-
-
-def _apply(ctx: HookContext, kind: str, red: Reduce, inputs: tuple[jax.Array, ...]) -> jax.Array:
-    """The compute-dtype value the model uses, through ``kind``'s hook."""
-    if ctx.on_host:  # one layer's (or leaf's) shard to the device, right before its use
-        inputs = (jax.device_put(inputs[0], jax.memory.Space.Device), inputs[1])
-    hook = gather if kind == "gather" else local
-    return hook(*inputs, red, ctx.wire)
+def _apply(ctx: HookContext, kinds: Sequence[str], reds: Sequence[Reduce], frozen: Sequence[bool],
+           inputs: Sequence[tuple[jax.Array, jax.Array]]) -> list[jax.Array]:
+    """The compute-dtype values the model uses, through one `hook` for the trained leaves and
+    one for the frozen (whose gradients are never computed, so never reduced)."""
+    out: list[Any] = [None] * len(inputs)
+    for group in (False, True):
+        idx = [i for i, f in enumerate(frozen) if f == group]
+        if not idx:
+            continue
+        values = [inputs[i][0] for i in idx]
+        if ctx.on_host:  # one layer's (or the loose leaves') shards to the device, right before use
+            values = [jax.device_put(v, jax.memory.Space.Device) for v in values]
+        used = hook(tuple(values), tuple(inputs[i][1] for i in idx), tuple(kinds[i] for i in idx),
+                    tuple(reds[i] for i in idx), ctx.wire)
+        for i, u in zip(idx, used, strict=True):
+            out[i] = u
+    return out
 
 
 def _gathered(shape: tuple[int, ...], red: Reduce) -> tuple[int, ...]:
@@ -240,20 +267,26 @@ def _gathered(shape: tuple[int, ...], red: Reduce) -> tuple[int, ...]:
 
 def bind(ctx: HookContext, hooked: Any, stored: Any, targets: Any) -> Any:
     """The params tree the model sees inside the step's ``shard_map``: leaves outside a stack
-    through their hook (compute dtype); stacked leaves as themselves (or a gathered-shape placeholder
-    at stage 3), recorded in ``ctx.bound`` for `scan`. ``hooked``: `leaf_hooks`;
+    through one hook (compute dtype); stacked leaves as themselves (or a gathered-shape
+    placeholder at stage 3), recorded in ``ctx.bound`` for `scan`. ``hooked``: `leaf_hooks`;
     ``stored`` / ``targets``: each device's views in the stored / reduced-gradient layouts."""
-    def one(path, hook, value, target):
-        kind, red = hook
+    paths_hooks, treedef = jax.tree_util.tree_flatten_with_path(hooked, is_leaf=lambda x: isinstance(x, LeafHook))
+    leaves, loose = [], []
+    for i, ((path, (kind, red, frozen)), value, target) in enumerate(
+            zip(paths_hooks, treedef.flatten_up_to(stored), treedef.flatten_up_to(targets), strict=True)):
         inputs = (jax.lax.stop_gradient(value), target)
         if not is_stacked(path):
-            return _apply(ctx, kind, red, inputs)
+            leaves.append(None)
+            loose.append((i, kind, red, frozen, inputs))
+            continue
         leaf = jnp.zeros(_gathered(value.shape, red), value.dtype) if kind == "gather" else value
-        ctx.bound[id(leaf)] = (leaf, Bound(kind, red.layer(), inputs))
-        return leaf
-
-    return jax.tree_util.tree_map_with_path(one, hooked, stored, targets,
-                                            is_leaf=lambda x: isinstance(x, LeafHook))
+        ctx.bound[id(leaf)] = (leaf, Bound(kind, red.layer(), inputs, frozen))
+        leaves.append(leaf)
+    if loose:
+        idx, kinds, reds, frozen, inputs = zip(*loose, strict=True)
+        for i, used in zip(idx, _apply(ctx, kinds, reds, frozen, inputs), strict=True):
+            leaves[i] = used
+    return treedef.unflatten(leaves)
 
 
 def bind_accumulators(ctx: HookContext, params: Any, accs: Any) -> Any:
@@ -347,7 +380,7 @@ def scan(ctx: HookContext, apply_layer: Callable, policy: Callable | None, x: An
         return _accumulating_scan(ctx, apply_layer, policy, x, treedef, bound, extra)
 
     def local(carry, layer_extra, layer_inputs):
-        ws = [_apply(ctx, b.kind, b.reduce, inputs) for b, inputs in zip(bound, layer_inputs, strict=True)]
+        ws = _apply(ctx, [b.kind for b in bound], [b.reduce for b in bound], [b.frozen for b in bound], layer_inputs)
         return apply_layer(jax.tree.unflatten(treedef, ws), carry, layer_extra)
 
     local = jax.checkpoint(local, policy=_never_save_hooks(policy), prevent_cse=False)

@@ -1,0 +1,65 @@
+"""Gradient buckets: the gradients that share a reduction summed in one collective, not one each.
+
+DeepSpeed copies gradients into ``reduce_bucket_size`` buckets before reducing them; jzero's
+hooks see one layer at a time (`jzero.zero.hooks`), so a layer's gradients (or those of every leaf
+outside the layer stacks) make one bucket: a fixed size, one layer's worth, that never holds a
+full gradient. A collective is a rendezvous of every device of its group, and each one is paid
+for in latency and in the devices waiting for each other: one per leaf made the 25M GPT's stage-2
+step ~8% slower than one per layer on XLA:CPU (docs/design.md, "Engine overhead"); XLA:GPU
+combines them itself, XLA:CPU does not.
+
+A leaf reduce-scattered along dimension ``d`` over ``n`` devices is sent as ``n`` rows, row i its
+i-th chunk along ``d`` (`chunks`), so every device's part of the bucket is its chunks of each leaf,
+one after another, each already laid out as the leaf's shard. XLA:CPU, asked to reduce-scatter
+or all-gather along an inner dimension, transposes the whole array element by element to make
+that dimension the outermost and back after; rows move chunks as runs of contiguous memory, and
+nothing moves back.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def all_reduce(gs: Sequence[jax.Array], over: tuple[str, ...]) -> list[jax.Array]:
+    """Every ``gs`` summed over the ``over`` axes: one all-reduce of them all."""
+    return list(jax.lax.psum(tuple(gs), over)) if over else list(gs)
+
+
+def reduce_scatter(gs: Sequence[jax.Array], dims: Sequence[int], scatter: tuple[str, ...],
+                   over: tuple[str, ...]) -> list[jax.Array]:
+    """This device's chunk of each of ``gs`` (along its ``dims`` entry) of their sums over the
+    ``scatter`` axes, then summed over ``over``: one reduce-scatter (and one all-reduce) of them all."""
+    n = math.prod(jax.lax.axis_size(a) for a in scatter)
+    rows = [chunks(g, d, n) for g, d in zip(gs, dims, strict=True)]
+    flat = jax.lax.psum_scatter(jnp.concatenate(rows, axis=1) if len(rows) > 1 else rows[0], scatter,
+                                scatter_dimension=0, tiled=True)[0]
+    if over:
+        flat = jax.lax.psum(flat, over)
+    pieces = jnp.split(flat, np.cumsum([r.shape[1] for r in rows])[:-1]) if len(rows) > 1 else [flat]
+    return [p.reshape(_shard_shape(g.shape, d, n)) for p, g, d in zip(pieces, gs, dims, strict=True)]
+
+
+def all_gather(shard: jax.Array, dim: int, axes: tuple[str, ...]) -> jax.Array:
+    """The full array from its chunks along ``dim`` over ``axes``: gathered device-major, then
+    each device's chunk put in place."""
+    parts = jax.lax.all_gather(shard.reshape(1, -1), axes, axis=0, tiled=True)
+    n = parts.shape[0]
+    full = list(shard.shape)
+    full[dim] *= n
+    return jnp.moveaxis(parts.reshape(n, *shard.shape), 0, dim).reshape(full)
+
+
+def chunks(x: jax.Array, dim: int, n: int) -> jax.Array:
+    """``x`` as ``n`` rows, row i its i-th chunk along ``dim``: the chunks move whole (runs of
+    everything after ``dim``), never element by element, and each row is laid out as the chunk."""
+    pre, post = x.shape[:dim], x.shape[dim + 1:]
+    return jnp.moveaxis(x.reshape(*pre, n, x.shape[dim] // n, *post), dim, 0).reshape(n, -1)
+
+
+def _shard_shape(shape: tuple[int, ...], dim: int, n: int) -> tuple[int, ...]:
+    return (*shape[:dim], shape[dim] // n, *shape[dim + 1:])
