@@ -11,6 +11,7 @@ the hand-written step of the same repetition.
     python benchmarks/overhead.py                  # the full table (2 sizes x fp32/bf16 at 2 devices, 25M at 8)
     python benchmarks/overhead.py --fast           # before merging a change to the step, hooks or layers
     python benchmarks/overhead.py --baseline-rev HEAD~1   # also jzero at REV, from a temporary worktree
+    python benchmarks/overhead.py --profile --groups 25M/fp32/2 --stages 1   # where the time goes
 
 Each checkout runs in its own worker process (the current one also runs the hand-written step), fed
 one variant at a time, so repetitions interleave across checkouts too. Writes
@@ -22,7 +23,7 @@ from __future__ import annotations
 import os
 import sys
 
-if __name__ == "__main__" and "--serve" in sys.argv:
+if __name__ == "__main__" and {"--serve", "--profile"} & set(sys.argv):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
 import argparse  # noqa: E402
@@ -146,6 +147,39 @@ def serve() -> None:
         print(json.dumps(reply), flush=True)
 
 
+def profile(group: tuple, variants: list[str], steps: int) -> None:
+    """Where a variant's step goes, beside the hand-written one's: the compiled program's
+    instructions by opcode, its bytes accessed (XLA's cost analysis), and the time per op
+    category summed over XLA:CPU's threads, from a profiler trace of ``steps`` steps."""
+    import collections
+    import re
+
+    import jax
+
+    for variant in [HAND, *variants]:
+        step, state, batch = _build(*group, variant)
+        compiled = step.lower(state, batch).compile()
+        cost = compiled.cost_analysis()
+        cost = cost[0] if isinstance(cost, list) else cost
+        ops = collections.Counter(re.findall(r"^\s*(?:ROOT )?%\S+ = .*? ([a-z][\w\-]*)\(", compiled.as_text(), re.M))
+        with tempfile.TemporaryDirectory() as d:
+            with jax.profiler.trace(d):
+                for _ in range(steps):
+                    state, out = step(state, batch)
+                    jax.block_until_ready(out)
+            trace = jax.profiler.ProfileData.from_file(str(next(Path(d).rglob("*.xplane.pb"))))
+        spent: collections.Counter = collections.Counter()
+        for plane in trace.planes:
+            for line in plane.lines:
+                if line.name.startswith("tf_XLAEigen"):
+                    for event in line.events:
+                        if not event.name.startswith(("ThunkExecutor", "SlinkyThreadPool", "end: ")):
+                            spent[re.sub(r"\.\d+$", "", event.name)] += event.duration_ns / steps / 1e6
+        print(f"== {variant}: {sum(ops.values())} instructions, {cost.get('bytes accessed', 0) / 1e9:.3f} GB accessed")
+        print("   opcodes: " + ", ".join(f"{k} {v}" for k, v in ops.most_common(12)))
+        print("   ms per step (thread time): " + ", ".join(f"{k} {v:.0f}" for k, v in spent.most_common(14)))
+
+
 # ---- driver: no JAX here; interleaves the workers' variants and writes the results ----
 
 class Worker:
@@ -266,19 +300,23 @@ def write(rows: list[dict], out: Path, name: str, meta: dict) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fast", action="store_true", help="25M fp32 at 2 devices, 2 reps: the pre-merge check")
-    parser.add_argument("--reps", type=int, help="interleaved repetitions (default 3; --fast: 2)")
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per repetition (median)")
+    parser.add_argument("--reps", type=int, help="interleaved repetitions (default 5; --fast: 2)")
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per repetition (median)")
     parser.add_argument("--stages", nargs="+", type=int, default=[0, 1, 2, 3], choices=range(4))
     parser.add_argument("--groups", nargs="+", help="size/dtype/devices, e.g. 25M/bf16/2 (default: the full table)")
     parser.add_argument("--baseline-rev", help="also time jzero at this git revision (a temporary worktree)")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--profile", action="store_true",
+                        help="instead of timing: opcodes, bytes and time per op of the first group's variants")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve:
         return serve()
     groups = ([tuple(int(p) if p.isdigit() else p for p in g.split("/")) for g in args.groups] if args.groups
               else FAST if args.fast else FULL)
-    reps = args.reps or (2 if args.fast else 3)
+    if args.profile:
+        return profile(groups[0], [STAGES[s] for s in args.stages], steps=3)
+    reps = args.reps or (2 if args.fast else 5)
     name = "overhead_fast" if args.fast else "overhead"
     head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
                           text=True).stdout.strip()
