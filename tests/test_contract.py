@@ -77,6 +77,15 @@ def test_stage0_keeps_full_gradient():
     assert temp_per_layer(0) >= 4.0
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_layer_reduces_its_gradients_in_one_bucket(stage):
+    """Per step, one reduce-scatter per layer and one for the leaves outside the stack
+    (jzero/zero/buckets.py), not one per leaf (11 per layer here); same elements either way."""
+    c, _ = compiled(stage)
+    scatters = [x for x in profile.comm(c).collectives if x.kind == "reduce-scatter" and x.group_size > 1]
+    assert sum(x.count for x in scatters) == 4 + 1
+
+
 @pytest.mark.parametrize("stage,volume", [(0, 2), (1, 2), (2, 2), (3, 3)])
 def test_comm_volume_matches_zero_paper(stage, volume):
     c, _ = compiled(stage)

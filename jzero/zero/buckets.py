@@ -34,24 +34,21 @@ def reduce_scatter(gs: Sequence[jax.Array], dims: Sequence[int], scatter: tuple[
                    over: tuple[str, ...]) -> list[jax.Array]:
     """This device's chunk of each of ``gs`` (along its ``dims`` entry) of their sums over the
     ``scatter`` axes, then summed over ``over``: one reduce-scatter (and one all-reduce) of them all."""
-    n = math.prod(jax.lax.axis_size(a) for a in scatter)
+    n = group_size(scatter)
     rows = [chunks(g, d, n) for g, d in zip(gs, dims, strict=True)]
     flat = jax.lax.psum_scatter(jnp.concatenate(rows, axis=1) if len(rows) > 1 else rows[0], scatter,
                                 scatter_dimension=0, tiled=True)[0]
     if over:
         flat = jax.lax.psum(flat, over)
     pieces = jnp.split(flat, np.cumsum([r.shape[1] for r in rows])[:-1]) if len(rows) > 1 else [flat]
-    return [p.reshape(_shard_shape(g.shape, d, n)) for p, g, d in zip(pieces, gs, dims, strict=True)]
+    return [p.reshape(shard_shape(g.shape, d, n)) for p, g, d in zip(pieces, gs, dims, strict=True)]
 
 
 def all_gather(shard: jax.Array, dim: int, axes: tuple[str, ...]) -> jax.Array:
     """The full array from its chunks along ``dim`` over ``axes``: gathered device-major, then
     each device's chunk put in place."""
     parts = jax.lax.all_gather(shard.reshape(1, -1), axes, axis=0, tiled=True)
-    n = parts.shape[0]
-    full = list(shard.shape)
-    full[dim] *= n
-    return jnp.moveaxis(parts.reshape(n, *shard.shape), 0, dim).reshape(full)
+    return in_place(parts.reshape(parts.shape[0], *shard.shape), dim)
 
 
 def chunks(x: jax.Array, dim: int, n: int) -> jax.Array:
@@ -61,5 +58,18 @@ def chunks(x: jax.Array, dim: int, n: int) -> jax.Array:
     return jnp.moveaxis(x.reshape(*pre, n, x.shape[dim] // n, *post), dim, 0).reshape(n, -1)
 
 
-def _shard_shape(shape: tuple[int, ...], dim: int, n: int) -> tuple[int, ...]:
+def in_place(parts: jax.Array, dim: int) -> jax.Array:
+    """The full array from its ``n`` chunks along ``dim``, stacked device-major (the inverse of `chunks`)."""
+    full = list(parts.shape[1:])
+    full[dim] *= parts.shape[0]
+    return jnp.moveaxis(parts, 0, dim).reshape(full)
+
+
+def shard_shape(shape: tuple[int, ...], dim: int, n: int) -> tuple[int, ...]:
+    """One chunk's shape: ``shape`` with ``dim`` divided by ``n``."""
     return (*shape[:dim], shape[dim] // n, *shape[dim + 1:])
+
+
+def group_size(axes: tuple[str, ...]) -> int:
+    """How many devices the mesh ``axes`` span (inside a ``shard_map``)."""
+    return math.prod(jax.lax.axis_size(a) for a in axes)

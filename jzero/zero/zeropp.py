@@ -17,17 +17,13 @@ params and the fp32 accumulator are never quantized: only the wire is.
 """
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from jzero.zero import buckets
 from jzero.zero.quantize import Quantized, dequantize, fits, quantize
-
-
-def _size(axes: tuple[str, ...]) -> int:
-    return math.prod(jax.lax.axis_size(a) for a in axes)
 
 
 def can_gather(shard: jax.Array, block: int | None) -> bool:
@@ -40,17 +36,15 @@ def gather(shard: jax.Array, dim: int, axes: tuple[str, ...], dtype: Any, block:
     q = quantize(shard, block)
     values = jax.lax.all_gather(q.values, axes, axis=0, tiled=False)
     scales = jax.lax.all_gather(q.scales, axes, axis=0, tiled=False)
-    parts = dequantize(Quantized(values, scales), (_size(axes), *shard.shape), dtype)
-    full = list(shard.shape)
-    full[dim] *= parts.shape[0]
-    return jnp.moveaxis(parts, 0, dim).reshape(full)  # device-major along dim, as a tiled gather
+    parts = dequantize(Quantized(values, scales), (buckets.group_size(axes), *shard.shape), dtype)
+    return buckets.in_place(parts, dim)  # device-major along dim, as a tiled gather
 
 
 def can_reduce(ct: jax.Array, dim: int | None, axes: tuple[str, ...], block: int | None) -> bool:
     """Whether each device's chunk of ``ct`` (along ``dim`` over ``axes``) is whole blocks."""
     if dim is None or not block:
         return False
-    n = _size(axes)
+    n = buckets.group_size(axes)
     return ct.shape[dim] % n == 0 and (ct.size // n) % block == 0
 
 
@@ -59,9 +53,8 @@ def reduce_scatter(ct: jax.Array, dim: int, scatter: tuple[str, ...], over: tupl
     """This device's chunk (along ``dim``) of the sum of ``ct`` over every device of ``scatter``
     and ``over``, in fp32: int8 chunks through one all-to-all inside the group, summed; then
     summed across ``over`` in ``comm`` (no data moves when ``over`` is trivial)."""
-    n = _size(scatter)
-    shape = ct.shape
-    pieces = jnp.moveaxis(ct.reshape(*shape[:dim], n, shape[dim] // n, *shape[dim + 1:]), dim, 0)
+    n = buckets.group_size(scatter)
+    pieces = buckets.chunks(ct, dim, n).reshape(n, *buckets.shard_shape(ct.shape, dim, n))
     q = quantize(pieces, block, leading=1)
     values = jax.lax.all_to_all(q.values, scatter, split_axis=0, concat_axis=0, tiled=True)
     scales = jax.lax.all_to_all(q.scales, scatter, split_axis=0, concat_axis=0, tiled=True)
