@@ -8,11 +8,12 @@ from pathlib import Path
 
 from jzero.cli.common import UsageError
 
-BENCHMARKS = {"sweep": "sweep.py", "compile_time": "compile_time.py", "fused_adamw": "fused_adamw.py"}
+BENCHMARKS = {"sweep": "sweep.py", "compile_time": "compile_time.py", "fused_adamw": "fused_adamw.py",
+              "overhead": "overhead.py"}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    bench = sub.add_parser("bench", help="run a benchmark from benchmarks/ (sweep, compile_time, fused_adamw)")
+    bench = sub.add_parser("bench", help=f"run a benchmark from benchmarks/ ({', '.join(BENCHMARKS)})")
     bench.add_argument("name", choices=sorted(BENCHMARKS), help="which benchmark")
     bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
     bench.set_defaults(func=run)
