@@ -222,17 +222,20 @@ def _accumulated_grads(state: TrainState, stored: Any, batch: Any, rng: jax.Arra
     (`hooks.bind`) reduce-scatter every micro-batch's gradient into the sharded accumulator.
     Each local loss is scaled by 1 / (micro-batches x devices) before differentiation, as the
     global mean loss is, so the gradients leave the backward as means: no pass over them after.
+    Not under fp16: there the backward runs at loss x loss scale, DeepSpeed's, whose overflows
+    (in the backward and on the wire) set the scaler's course, and the mean is taken after.
     A model's state is threaded through the micro-batches and averaged over the devices
     (`jzero.zero.modelstate`)."""
     cfg, plan = state.config, state.plan
     pol = precision.policy(cfg)
     accum, count = cfg.gradient_accumulation_steps, cfg.gradient_accumulation_steps * data_parallel_size(plan.mesh)
-    hooked = _hooked(state)
+    hooked, fp16 = _hooked(state), precision.loss_scaler(cfg) is not None
     frozen = groups.frozen_mask(cfg, state.params)
 
     def local(stored, targets, rows, rng, scale, model_state):
         rng = jax.random.fold_in(rng, jax.lax.axis_index(DATA_AXES))  # each device its own dropout
-        scale = scale / count  # the mean over micro-batches and devices, made by the backward itself
+        if not fp16:  # the mean over micro-batches and devices, made by the backward itself
+            scale = scale / count
         if hooked is None:
             targets = jax.tree.map(hooks.vary, stored)  # local, unreduced gradients
 
@@ -260,6 +263,7 @@ def _accumulated_grads(state: TrainState, stored: Any, batch: Any, rng: jax.Arra
             acc = jax.tree.map(lambda g, s, f: _reduce_once(g, s.spec, wire(cfg)).astype(g.dtype) if not f
                                else _zeros_like_shard(g, s), acc, plan.grads, frozen)
         aux = None if aux is None else jax.tree.map(lambda a: jax.lax.pmean(a, DATA_AXES), aux)
+        acc = jax.tree.map(lambda g: g / count, acc) if fp16 else acc
         return (jax.lax.psum(loss, DATA_AXES) / count, aux, acc,
                 modelstate.synchronized(model_state, DATA_AXES))
 
