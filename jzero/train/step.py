@@ -234,8 +234,7 @@ def _accumulated_grads(state: TrainState, stored: Any, batch: Any, rng: jax.Arra
 
     def local(stored, targets, rows, rng, scale, model_state):
         rng = jax.random.fold_in(rng, jax.lax.axis_index(DATA_AXES))  # each device its own dropout
-        if not fp16:  # the mean over micro-batches and devices, made by the backward itself
-            scale = scale / count
+        scale = scale if fp16 else scale / count  # the mean over micro-batches and devices, by the backward
         if hooked is None:
             targets = jax.tree.map(hooks.vary, stored)  # local, unreduced gradients
 
