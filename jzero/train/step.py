@@ -23,7 +23,7 @@ from jax.experimental.compute_on import compute_on
 from jax.sharding import PartitionSpec as P
 
 from jzero.train.state import TrainState
-from jzero.zero import buckets, fused, groups, hooks, modelstate, optim, phase, precision, treepath
+from jzero.zero import buckets, dots, fused, groups, hooks, modelstate, optim, phase, precision, treepath
 from jzero.zero.mesh import DATA_AXES, data_parallel_size
 from jzero.zero.rows import split_over
 from jzero.zero.sharding import ZERO_RULES
@@ -204,7 +204,7 @@ def _local_loss(state: TrainState, hooked: Any, stored: Any, targets: Any, acc: 
     (stages 2-3)."""
     if hooked is None and acc is None:
         return _loss_and_aux(state, targets, rows, rng, scale, model_state=model_state)
-    ctx = hooks.HookContext(wire(state.config), on_host=state.plan.compute_on_host)  # this trace's
+    ctx = hooks.HookContext(wire(state.config, state.plan.mesh), on_host=state.plan.compute_on_host)
     params = (hooks.bind(ctx, hooked, stored, targets) if hooked is not None
               else hooks.bind_accumulators(ctx, targets, acc))
     return _loss_and_aux(state, params, rows, rng, scale, ctx, model_state)
@@ -259,7 +259,8 @@ def _accumulated_grads(state: TrainState, stored: Any, batch: Any, rng: jax.Arra
             loss, aux, acc, model_state = _sum_over_micro_batches(
                 grad_fn, micro, rng, (zeros, loss0, jax.tree.map(hooks.vary, model_state)))
         if hooked is None:
-            acc = jax.tree.map(lambda g, s, f: _reduce_once(g, s.spec, wire(cfg)).astype(g.dtype) if not f
+            on_wire = wire(cfg, plan.mesh)
+            acc = jax.tree.map(lambda g, s, f: _reduce_once(g, s.spec, on_wire).astype(g.dtype) if not f
                                else _zeros_like_shard(g, s), acc, plan.grads, frozen)
         aux = None if aux is None else jax.tree.map(lambda a: jax.lax.pmean(a, DATA_AXES), aux)
         acc = jax.tree.map(lambda g: g / count, acc) if fp16 else acc
@@ -312,13 +313,14 @@ def _reduce_once(g: jax.Array, spec: P, on_wire: hooks.Wire) -> jax.Array:
     return hooks.reduce([g], [hooks.reduction(spec)], on_wire)[0]
 
 
-def wire(cfg: Any) -> hooks.Wire:
+def wire(cfg: Any, mesh: Any) -> hooks.Wire:
     """What the config's collectives move: params in the compute dtype, gradients in
     ``communication_data_type``; int8 blocks of ``jzero.quantization_block_size`` elements
-    with ZeRO++'s ``zero_quantized_weights`` / ``zero_quantized_gradients``."""
+    with ZeRO++'s ``zero_quantized_weights`` / ``zero_quantized_gradients``; weight gradients
+    unfolded where ``mesh``'s backend needs it (`jzero.zero.dots`)."""
     pol, zero, block = precision.policy(cfg), cfg.zero_optimization, cfg.jzero.quantization_block_size
     return hooks.Wire(pol.compute_dtype, pol.comm_dtype, block if zero.zero_quantized_weights else None,
-                      block if zero.zero_quantized_gradients else None)
+                      block if zero.zero_quantized_gradients else None, dots.applies(mesh.devices.flat[0].platform))
 
 
 def _check_batch(batch: Any, expected: int) -> None:

@@ -55,7 +55,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jzero.zero import buckets, zeropp
+from jzero.zero import buckets, dots, zeropp
 from jzero.zero.mesh import DATA_AXES, FSDP
 from jzero.zero.sharding import is_stacked
 
@@ -105,6 +105,7 @@ class Wire(NamedTuple):
     comm: Any = jnp.float32
     weights: int | None = None
     grads: int | None = None
+    unfold: bool = False  # keep weight-gradient dots out of XLA:CPU's slow form (`jzero.zero.dots`)
 
 
 @dataclass(frozen=True, eq=False)
@@ -234,6 +235,8 @@ def _hook_fwd(values, targets, kinds, reds, wire):
 
 
 def _hook_bwd(kinds, reds, wire, _, cts):
+    if wire.unfold:
+        cts = [dots.unfold(ct) for ct in cts]
     return tuple(None for _ in cts), tuple(reduce(cts, reds, wire))
 
 
