@@ -259,9 +259,7 @@ def _accumulated_grads(state: TrainState, stored: Any, batch: Any, rng: jax.Arra
             loss, aux, acc, model_state = _sum_over_micro_batches(
                 grad_fn, micro, rng, (zeros, loss0, jax.tree.map(hooks.vary, model_state)))
         if hooked is None:
-            on_wire = wire(cfg, plan.mesh)
-            acc = jax.tree.map(lambda g, s, f: _reduce_once(g, s.spec, on_wire).astype(g.dtype) if not f
-                               else _zeros_like_shard(g, s), acc, plan.grads, frozen)
+            acc = jax.tree.map(functools.partial(_reduce_once, on_wire=wire(cfg, plan.mesh)), acc, plan.grads, frozen)
         aux = None if aux is None else jax.tree.map(lambda a: jax.lax.pmean(a, DATA_AXES), aux)
         acc = jax.tree.map(lambda g: g / count, acc) if fp16 else acc
         return (jax.lax.psum(loss, DATA_AXES) / count, aux, acc,
@@ -307,10 +305,13 @@ def _sum_over_micro_batches(grad_fn, micro: Any, rng: jax.Array, start: Any):
     return loss_sum, None if aux is None else jax.tree.map(lambda a: jnp.mean(a, axis=0), aux), acc, ms
 
 
-def _reduce_once(g: jax.Array, spec: P, on_wire: hooks.Wire) -> jax.Array:
+def _reduce_once(g: jax.Array, layout: Any, frozen: bool, on_wire: hooks.Wire) -> jax.Array:
     """A device's accumulated gradient summed over the data devices as ``on_wire`` says, laid
-    out as ``spec``: reduce-scattered along its ZeRO dimension, else all-reduced; fp32 after."""
-    return hooks.reduce([g], [hooks.reduction(spec)], on_wire)[0]
+    out as ``layout``: reduce-scattered along its ZeRO dimension, else all-reduced; a frozen
+    leaf's is zeros, never reduced."""
+    if frozen:
+        return _zeros_like_shard(g, layout)
+    return hooks.reduce([g], [hooks.reduction(layout.spec)], on_wire)[0].astype(g.dtype)
 
 
 def wire(cfg: Any, mesh: Any) -> hooks.Wire:
