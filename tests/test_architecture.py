@@ -22,9 +22,9 @@ FACADE = "jzero"
 PUBLIC = {
     "CheckpointError", "CheckpointMismatchError", "CheckpointWarning", "Checkpointer", "Config", "ConfigError",
     "ConfigWarning", "GateSpec", "MoE", "MoESpec", "MoEStats", "NNXMoE", "Plan", "TrainState", "Variables",
-    "abstract_init", "device_params", "eval_step", "evaluating", "export", "from_linen", "from_nnx", "gather_rows",
-    "init", "load_config", "load_model_state", "load_params", "make_mesh", "row_offset", "scan_layers", "train_step",
-    "__version__",
+    "abstract_init", "attention", "device_params", "eval_step", "evaluating", "export", "from_linen", "from_nnx",
+    "gather_rows", "init", "load_config", "load_model_state", "load_params", "make_mesh", "row_offset", "scan_layers",
+    "train_step", "__version__",
 }
 
 
@@ -141,12 +141,14 @@ def test_the_cycle_check_finds_cycles():
 
 def test_config_is_the_bottom_of_the_import_graph():
     """The config package imports no jzero module outside itself: the schema uses its generic
-    parser and elasticity's arithmetic, which import no jzero module at all."""
-    assert GRAPH["jzero.config"] == {"jzero.config.typed", "jzero.config.elastic"}
-    assert GRAPH["jzero.config.typed"] == GRAPH["jzero.config.elastic"] == GRAPH["jzero.config.hf"] == set()
+    parser, elasticity's arithmetic and the attention sections, which import no jzero module at all."""
+    assert GRAPH["jzero.config"] == {"jzero.config.typed", "jzero.config.elastic", "jzero.config.attention"}
+    assert (GRAPH["jzero.config.typed"] == GRAPH["jzero.config.elastic"] == GRAPH["jzero.config.hf"]
+            == GRAPH["jzero.config.attention"] == set())
     assert GRAPH["jzero.config.paramtable"] == {"jzero.config"}
     assert {name for name in MODULES if name.startswith("jzero.config")} == {  # a new module here is checked too
-        "jzero.config", "jzero.config.typed", "jzero.config.elastic", "jzero.config.paramtable", "jzero.config.hf"}
+        "jzero.config", "jzero.config.typed", "jzero.config.elastic", "jzero.config.paramtable", "jzero.config.hf",
+        "jzero.config.attention"}
 
 
 @pytest.mark.parametrize("layer", LAYERS)

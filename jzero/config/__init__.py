@@ -18,15 +18,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from jzero.config.attention import AttentionConfig, SparseAttentionConfig
 from jzero.config.elastic import micro_batch, v01, v02
 from jzero.config.typed import AUTO, ConfigError, ConfigWarning, auto_field, parse, read_json, to_dict, unknown
 
-__all__ = ["AUTO", "ConfigError", "ConfigWarning", "read_json", "unknown"]  # re-exported: errors live here
+__all__ = ["AUTO", "AttentionConfig", "ConfigError", "ConfigWarning", "SparseAttentionConfig",  # re-exported
+           "read_json", "unknown"]
 
 
-# --------------------------------------------------------------------------------------------
-# Sections
-# --------------------------------------------------------------------------------------------
+# ---- Sections (AttentionConfig and SparseAttentionConfig live in `attention`) ----------------
 @dataclass(frozen=True)
 class OffloadConfig:
     device: Literal["none", "cpu", "nvme"] = "none"
@@ -202,6 +202,8 @@ class ModelConfig:
     embed_dim: int | None = None  # clip: the shared image-text embedding
     text_len: int | None = None  # clip: caption length in bytes
     text_layers: int | None = None
+    attention: AttentionConfig | None = None  # gpt, vit, clip
+    loss_tile: int | None = None  # gpt: tokens per tile of the loss, 0 = whole logits
 
 
 @dataclass(frozen=True)
@@ -315,6 +317,7 @@ class Config:
     tensorboard: MonitorConfig = field(default_factory=MonitorConfig)
     csv_monitor: MonitorConfig = field(default_factory=MonitorConfig)
     moe: MoEConfig | None = None
+    sparse_attention: SparseAttentionConfig | None = None
     elasticity: ElasticityConfig = field(default_factory=ElasticityConfig)
     jzero: JzeroConfig = field(default_factory=JzeroConfig)
     # Resolution record (not user keys).
@@ -408,9 +411,7 @@ def with_hidden_size(cfg: Config, hidden: int) -> Config:
     """``cfg`` with its ``"auto"`` ZeRO sizes resolved from the model's hidden size (HF's rules)."""
     zero = cfg.zero_optimization
     updates = {key: rule(hidden) for key, rule in AUTO_SIZES.items() if getattr(zero, key) == AUTO}
-    if not updates:
-        return cfg
-    return dataclasses.replace(cfg, zero_optimization=dataclasses.replace(zero, **updates))
+    return dataclasses.replace(cfg, zero_optimization=dataclasses.replace(zero, **updates)) if updates else cfg
 
 
 def resolve_batch(train: int | None, micro: int | None, accum: int | None, dp: int) -> tuple[int, int, int]:

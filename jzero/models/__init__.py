@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from jzero.config import Config, unknown
-from jzero.models import clip, gpt, mlp, vit
+from jzero.config import Config, ConfigError, unknown
+from jzero.models import attention, clip, gpt, mlp, vit
 from jzero.models.base import Model
 
 MODELS: dict[str, Callable[[Config], Model]] = {"gpt": gpt.build, "vit": vit.build, "clip": clip.build,
@@ -28,6 +28,10 @@ def build(config: Config) -> Model:
 
 def validate(config: Config) -> None:
     """ConfigError naming the ``jzero.model`` key that is wrong; builds nothing heavy."""
+    if config.sparse_attention is not None and config.jzero.model.name != "gpt":
+        raise ConfigError(f"sparse_attention: only the gpt model takes a sparse layout, not "
+                          f"{config.jzero.model.name!r} (its sequence need not be whole blocks)")
+    attention.check_settings(config.jzero.model.attention)
     build(config)
 
 

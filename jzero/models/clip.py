@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jzero.config import Config, ConfigError
+from jzero.config import AttentionConfig, Config, ConfigError
 from jzero.models import vit
 from jzero.models.adapters import from_linen
 from jzero.models.base import Model, from_section
@@ -42,6 +42,7 @@ class CLIPConfig:
     embed_dim: int = 64
     positions: str = "learned"
     remat: str = "full"
+    attention: AttentionConfig = AttentionConfig()
 
     @property
     def num_patches(self) -> int:
@@ -74,10 +75,12 @@ class _TextTower:
     d_model: int
     positions: str
     remat: str
+    attention: AttentionConfig
 
 
 def _text_tower(cfg: CLIPConfig) -> _TextTower:
-    return _TextTower(cfg.text_layers, cfg.n_heads, cfg.d_ff, cfg.d_model, cfg.positions, cfg.remat)
+    return _TextTower(cfg.text_layers, cfg.n_heads, cfg.d_ff, cfg.d_model, cfg.positions, cfg.remat,
+                      cfg.attention)
 
 
 class TextEncoder(nn.Module):

@@ -21,11 +21,13 @@ import numpy as np
 import optax
 from jax.ad_checkpoint import checkpoint_name
 
-from jzero.config import Config, ConfigError, ModelConfig
+from jzero.config import AttentionConfig, Config, ConfigError, ModelConfig, SparseAttentionConfig
+from jzero.models import attention
 from jzero.models.adapters import from_linen
 from jzero.models.base import Model, from_section
 from jzero.models.layers import scan_layers
 from jzero.models.moe import MoE, MoESpec, MoEStats, spec_from_config
+from jzero.models.tiled_loss import tiled_cross_entropy
 from jzero.zero import phase
 
 
@@ -43,6 +45,9 @@ class GPTConfig:
     moe: MoESpec | None = None  # the MoE layers' (None: a dense GPT)
     expert_interval: int = 1  # every expert_interval-th block is an MoE block
     aux_loss_coef: float = 0.0
+    attention: AttentionConfig = AttentionConfig()
+    sparse_attention: SparseAttentionConfig | None = None  # DeepSpeed's section: the layout of every layer
+    loss_tile: int = 1024  # tokens per tile of the LM loss (`jzero.models.tiled_loss`); 0: whole logits
 
     @property
     def moe_layers(self) -> int:
@@ -64,6 +69,10 @@ def gpt_config(model: ModelConfig, remat: str = "full", config: Config | None = 
     cfg = from_section(model, SIZES, remat, ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "d_ff"))
     if cfg.positions == "rotary" and (cfg.d_model // cfg.n_heads) % 2:
         raise ConfigError("jzero.model.positions: rotary needs an even head size (d_model / n_heads)")
+    if cfg.loss_tile < 0:
+        raise ConfigError(f"jzero.model.loss_tile: must be >= 0 (0: the whole logits), got {cfg.loss_tile}")
+    if config is not None and config.sparse_attention is not None:
+        cfg = dataclasses.replace(cfg, sparse_attention=attention.layouts.checked(config, cfg.seq_len))
     spec = None if config is None else spec_from_config(config, cfg.d_model, cfg.d_ff)
     if spec is None:
         return cfg
@@ -111,11 +120,9 @@ class Block(nn.Module):
             q, k, v = jnp.split(qkv.reshape(b, t, 3 * cfg.n_heads, hd), 3, axis=2)
             if cfg.positions == "rotary":
                 q, k = _rotary(q), _rotary(k)
-            scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / jnp.sqrt(hd).astype(jnp.float32)
-            if self.causal:
-                scores = jnp.where(jnp.tril(jnp.ones((t, t), dtype=bool)), scores, -1e30)
-            probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-            attn = checkpoint_name(jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, d), "attn_out")
+            attn = attention.configured(q, k, v, causal=self.causal, settings=getattr(cfg, "attention", None),
+                                        sparse=getattr(cfg, "sparse_attention", None))
+            attn = checkpoint_name(attn.reshape(b, t, d), "attn_out")
             x = x + nn.Dense(d, kernel_init=_init, name="proj")(attn)
         with jax.named_scope("mlp"):
             h = nn.LayerNorm(name="ln2")(x)
@@ -140,13 +147,17 @@ class MoEUnit(nn.Module):
 
 
 class GPT(nn.Module):
-    """Logits (batch, seq, vocab) in fp32; with MoE layers ``(logits, MoEStats summed over them)``."""
+    """Logits (batch, seq, vocab) in fp32; with MoE layers ``(logits, MoEStats summed over them)``.
+    Given ``(tokens, targets)`` instead, the mean cross entropy in place of the logits, computed
+    ``loss_tile`` tokens at a time (`jzero.models.tiled_loss`: full logits never exist)."""
 
     cfg: GPTConfig
 
     @nn.compact
     def __call__(self, tokens):
-        cfg = self.cfg
+        cfg, targets = self.cfg, None
+        if isinstance(tokens, tuple):
+            tokens, targets = tokens
         embed = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=_init, name="wte")
         with jax.named_scope("embedding"):
             x = embed(tokens)
@@ -159,9 +170,24 @@ class GPT(nn.Module):
                 (x, MoEStats.zeros(x)))
         with jax.named_scope("head"):
             x = nn.LayerNorm(name="ln_f")(x)
-            logits = embed.attend(x) if cfg.tie_embeddings else nn.Dense(cfg.vocab_size, kernel_init=_init,
-                                                                          name="head")(x)
-            return logits.astype(jnp.float32) if cfg.moe is None else (logits.astype(jnp.float32), stats)
+            head = None if cfg.tie_embeddings else nn.Dense(cfg.vocab_size, kernel_init=_init, name="head")
+            if targets is not None:
+                out = _tiled_loss(cfg, x, targets, embed, head)
+            else:
+                out = (embed.attend(x) if head is None else head(x)).astype(jnp.float32)
+            return out if cfg.moe is None else (out, stats)
+
+
+def _tiled_loss(cfg: GPTConfig, x: jax.Array, targets: jax.Array, embed: nn.Embed, head: nn.Dense | None):
+    """The head's cross entropy, ``cfg.loss_tile`` tokens at a time, on the head's own params
+    (the embedding when tied)."""
+    with jax.named_scope("loss"):
+        if head is None:
+            return tiled_cross_entropy(x, embed.embedding, targets, tied=True, tile=cfg.loss_tile)
+        head(x[:1, :1])  # binds the head (at init: creates its kernel and bias)
+        params = head.variables["params"]
+        return tiled_cross_entropy(x, params["kernel"], targets, bias=params["bias"], tied=False,
+                                   tile=cfg.loss_tile)
 
 
 def model_flops(cfg: GPTConfig, tokens: int) -> dict[str, float]:
@@ -213,15 +239,22 @@ def make(cfg: GPTConfig) -> tuple[Any, Any]:
     """(init_fn, loss_fn) for jzero.init; batches are {"inputs": (B, T), "targets": (B, T)} int32.
     With MoE layers the loss is (cross entropy + aux_loss_coef x the aux loss summed over them,
     `MOE_METRICS`: the cross entropy and the per-layer mean aux loss, dropped fraction and load)."""
-    return from_linen(GPT(cfg), jax.ShapeDtypeStruct((1, cfg.seq_len), jnp.int32),
-                      functools.partial(_loss, cfg))
+    tokens = jax.ShapeDtypeStruct((1, cfg.seq_len), jnp.int32)
+    if cfg.loss_tile:  # the model computes the loss, tile by tile, from the inputs and the targets
+        return from_linen(GPT(cfg), (tokens, tokens), functools.partial(_loss, cfg),
+                          inputs=lambda batch: (batch["inputs"], batch["targets"]))
+    return from_linen(GPT(cfg), tokens, functools.partial(_loss, cfg))
 
 
 def _loss(cfg: GPTConfig, out: Any, batch: dict) -> Any:
+    """The model's tiled cross entropy, or the cross entropy of its logits (``loss_tile`` 0)."""
+    def ce_of(out):
+        return out if cfg.loss_tile else cross_entropy(out, batch["targets"])
+
     if cfg.moe is None:
-        return cross_entropy(out, batch["targets"])
-    logits, stats = out
-    ce = cross_entropy(logits, batch["targets"])
+        return ce_of(out)
+    out, stats = out
+    ce = ce_of(out)
     mean = [v / cfg.moe_layers for v in stats]
     return ce + cfg.aux_loss_coef * stats.aux_loss, dict(zip(MOE_METRICS, (ce, *mean), strict=True))
 

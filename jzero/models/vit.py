@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jzero.config import Config, ConfigError
+from jzero.config import AttentionConfig, Config, ConfigError
 from jzero.models.adapters import from_linen
 from jzero.models.base import Model, from_section
 from jzero.models.gpt import Block
@@ -37,6 +37,7 @@ class ViTConfig:
     pool: str = "cls"  # "cls" | "mean"
     positions: str = "learned"
     remat: str = "full"
+    attention: AttentionConfig = AttentionConfig()
 
     @property
     def num_patches(self) -> int:

@@ -39,7 +39,6 @@ from jzero.zero import groups, optim, remat, schedules
 # DeepSpeed features jzero refuses (they change what is trained or where memory lives).
 UNSUPPORTED_SECTIONS = {
     "pipeline": "pipeline parallelism is not implemented; jzero shards with ZeRO over the mesh",
-    "sparse_attention": "DeepSpeed sparse attention kernels are not implemented",
     "amp": "NVIDIA apex AMP does not exist in JAX; use the bf16 or fp16 section",
     "compression_training": "compression training is not implemented",
     "curriculum_learning": "curriculum learning is not implemented",
