@@ -20,7 +20,8 @@ import jax
 from jzero import models
 from jzero.analysis import profile
 from jzero.analysis.hlo import DTYPE_BYTES
-from jzero.config import Config
+from jzero.config import AttentionConfig, Config
+from jzero.models import attention
 from jzero.models.moe import DISPATCH
 from jzero.train.resolve import check_zero
 from jzero.train.state import TrainState, abstract_init
@@ -49,6 +50,7 @@ class Estimate:
     wire_bytes: float = 0.0  # ZeRO's collectives, bytes per device per step in the dtype moved
     unquantized_wire_bytes: float | None = None  # the same step without ZeRO++ quantization
     widened: tuple[str, ...] = ()  # collectives this backend widens ("reduce-scatter bf16->f32")
+    sequence: dict[str, float] = dataclasses.field(default_factory=dict)  # `long_sequence`
 
     def row(self) -> dict[str, Any]:
         m, a = self.memory, self.analytic
@@ -75,6 +77,7 @@ class Estimate:
             "tflops_per_step": self.flops / 1e12,
             "compile_s": self.compile_s,
             **self._experts(),
+            **self.sequence,
         }
 
     def _quantized(self) -> dict[str, Any]:
@@ -149,7 +152,30 @@ def estimate(config: Config, stage: int | None = None) -> Estimate:
                     comm_ring_bytes=comm.total_ring_bytes(), flops=profile.flops(compiled),
                     analytic=_analytic(state), compile_s=compile_s, all_to_alls=sum(c.count for c in a2a),
                     all_to_all_bytes=sum(c.elements * DTYPE_BYTES.get(c.dtype, 4) * c.count for c in a2a),
-                    wire_bytes=zero.total_wire_bytes(), unquantized_wire_bytes=unquantized, widened=widened)
+                    wire_bytes=zero.total_wire_bytes(), unquantized_wire_bytes=unquantized, widened=widened,
+                    sequence=long_sequence(config, mem))
+
+
+def long_sequence(config: Config, mem: profile.MemoryReport) -> dict[str, float]:
+    """What attention and the language-model loss cost per device: attention's share of the
+    temporaries (the step compiled once more without attention: `attention.absent`), and where
+    the config uses them, what blockwise attention and the tiled loss save (the peak of the same
+    step with naive attention, with whole logits). Empty for a model without attention."""
+    with attention.absent():
+        bare = profile.memory(compile_step(dataclasses.replace(config)).compiled)
+    if bare.temp == mem.temp:
+        return {}
+    out = {"attention_temp_gib": (mem.temp - bare.temp) / GiB}
+    model = config.jzero.model
+    variants = {"saved_by_blockwise_attention_gib": {"attention": dataclasses.replace(
+        model.attention or AttentionConfig(), implementation="naive")}}
+    if model.name == "gpt" and model.loss_tile != 0:
+        variants["saved_by_tiled_loss_gib"] = {"loss_tile": 0}
+    for name, change in variants.items():
+        other = dataclasses.replace(config, jzero=dataclasses.replace(
+            config.jzero, model=dataclasses.replace(model, **change)))
+        out[name] = (profile.memory(compile_step(other).compiled).peak - mem.peak) / GiB
+    return out
 
 
 def _zero_comm(comm: profile.CommReport) -> profile.CommReport:

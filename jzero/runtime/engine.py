@@ -7,6 +7,7 @@ task's preview. `jzero train` is a thin shell over it.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 
@@ -16,6 +17,7 @@ import numpy as np
 from jzero import tasks
 from jzero.analysis import profile
 from jzero.config import Config
+from jzero.models import attention
 from jzero.runtime.checkpoint import Checkpointer
 from jzero.runtime.monitor import Monitor, RunSummary
 from jzero.runtime.watchdog import Unwatched, Watchdog
@@ -109,6 +111,15 @@ class Engine:
         self.watch.step_done(step + 1, time.perf_counter() - t_data)
         return metrics, dt
 
+    def _attention_temp(self, temp: int, step: int) -> int | None:
+        """Attention's share of the step's temporaries: the step compiled once more without
+        attention (`jzero.models.attention.absent`; a copy of the config, so jit traces anew);
+        None for a model without attention."""
+        bare_state = self.state.replace(config=dataclasses.replace(self.state.config))
+        with attention.absent():
+            bare = profile.memory(train_step.lower(bare_state, self.batch("train", step)).compile()).temp
+        return None if bare == temp else temp - bare
+
     def train(self, steps: int, monitor: Monitor, checkpointer: Checkpointer | None = None,
               should_stop: Callable[[], bool] | None = None) -> RunSummary:
         """Train from the state's current step up to ``steps``; returns what the summary shows.
@@ -124,6 +135,7 @@ class Engine:
         summary.compile_s = time.perf_counter() - t0
         try:
             summary.memory = profile.memory(compiled)
+            summary.attention_temp = self._attention_temp(summary.memory.temp, start)
         except RuntimeError:  # a backend without memory_analysis(): the summary omits memory
             summary.memory = None
         eval_every = cfg.jzero.train.eval_interval

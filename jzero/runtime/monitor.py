@@ -37,6 +37,7 @@ class RunSummary:
     devices: int = 1
     compile_s: float = 0.0
     memory: Any = None  # jzero.analysis.profile.MemoryReport of the compiled step, per device (None: not reported)
+    attention_temp: int | None = None  # attention's share of those temporaries (None: no attention)
     eval_metrics: dict[str, float] = field(default_factory=dict)  # the task's, at the last evaluation
     sample: str = ""
     stopped: bool = False  # ended early by should_stop (a signal)
@@ -59,6 +60,7 @@ class RunSummary:
         if self.memory is not None:
             rows += [("per-device persistent state (compiled step)", mib(self.memory.device_persistent)),
                      ("per-device temporaries (compiled step)", mib(self.memory.temp)),
+                     *((("  of which attention", mib(self.attention_temp)),) if self.attention_temp else ()),
                      ("per-device peak (compiled step)", mib(self.memory.peak))]
             if self.memory.host:
                 rows.append(("per-device state in host memory (offloaded)", mib(self.memory.host)))
