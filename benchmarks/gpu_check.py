@@ -18,7 +18,10 @@ rewritten after every row, so a window cut short keeps what it measured. Rows:
 - ``offload``: ZeRO-Offload + parameter offload (stage 3) against the same run on the device, one
   GPU, a 350M GPT: with the device memory capped (``XLA_PYTHON_CLIENT_MEM_FRACTION``) below what
   the device run needs, the device run fails and the offloaded one trains; uncapped, both runs'
-  ``memory_stats()`` peaks and the step-time ratio.
+  ``memory_stats()`` peaks and the step-time ratio;
+- ``attention``: `jzero.attention` cudnn vs blockwise vs naive, causal, bf16, 16 heads of 128,
+  T = 4096 and 16384: forward + backward time, compiled temporaries, and cuDNN's output against
+  blockwise (each implementation apart: one that fails or does not fit is recorded as such).
 """
 from __future__ import annotations
 
@@ -188,6 +191,42 @@ def offload_row(smoke: bool) -> dict:
     return row
 
 
+def attention_row(smoke: bool) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    from jzero.analysis import profile
+    from jzero.models.attention import attention
+
+    heads, dim = (2, 16) if smoke else (16, 128)
+    row = {}
+    for t in ((256,) if smoke else (4096, 16384)):
+        keys = jax.random.split(jax.random.key(t), 3)
+        q, k, v = (jax.random.normal(key, (1, t, heads, dim), jnp.bfloat16) for key in keys)
+        outs, cell = {}, {}
+        for impl in ("cudnn", "blockwise", "naive"):
+            try:
+                def loss(q, k, v, impl=impl):
+                    return jnp.sum(attention(q, k, v, causal=True, implementation=impl).astype(jnp.float32))
+
+                step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(q, k, v).compile()
+                jax.block_until_ready(step(q, k, v))
+                times = []
+                for _ in range(5):
+                    t0 = time.perf_counter()
+                    jax.block_until_ready(step(q, k, v))
+                    times.append(time.perf_counter() - t0)
+                outs[impl] = attention(q, k, v, causal=True, implementation=impl)
+                cell[impl] = {"ms": 1e3 * sorted(times)[2], "temp_gib": profile.memory(step).temp / 2**30}
+            except Exception as e:  # one implementation failing (or not fitting) is its result
+                cell[impl] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+        if "cudnn" in outs and "blockwise" in outs:
+            diff = jnp.abs(outs["cudnn"].astype(jnp.float32) - outs["blockwise"].astype(jnp.float32))
+            cell["cudnn_vs_blockwise_max_abs"] = float(jnp.max(diff))
+        row[f"T={t}"] = cell
+    return row
+
+
 def markdown(report: dict) -> str:
     lines = [f"jzero GPU check, {report['started']}", "", "| row | status | seconds | result |", "|---|---|---|---|"]
     for row in report["rows"]:
@@ -215,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         "xla_flags": lambda: xla_flags_row(args.smoke),
         "wire_dtypes": lambda: wire_dtypes_row(args.smoke),
         "offload": lambda: offload_row(args.smoke),
+        "attention": lambda: attention_row(args.smoke),
     }
     report = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "smoke": args.smoke, "rows": []}
     for name, fn in rows.items():
