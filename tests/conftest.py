@@ -20,13 +20,15 @@ def devices():
 
 @pytest.fixture(scope="session", autouse=True)
 def compilation_cache(tmp_path_factory):
-    """One XLA compilation cache for the whole run, shared by the xdist workers and every `jzero`
-    subprocess they start: many tests compile the same program (the CLI's tiny run and its
-    resume, one model under several checks) and compile time dominates the suite. It lives in
-    pytest's run folder (workers share its parent), which pytest prunes like any other."""
+    """One XLA compilation cache for the whole run, shared by every `jzero` subprocess the tests
+    start: many run the same program (the CLI's tiny run and its resume, one config under several
+    checks) and compile time dominates the suite. It lives in pytest's run folder (workers share
+    its parent), which pytest prunes like any other. The test processes themselves do not write
+    to it: with jax 0.10.2, after a few hundred compilations in one process, serializing the next
+    executable for the cache crashed XLA:CPU (a segfault or abort inside
+    ``executable.serialize()``, in whichever ZeRO++ test came first; docs/design.md, "Tests")."""
     base = tmp_path_factory.getbasetemp()
     folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "xla-cache"
     settings = {"jax_compilation_cache_dir": str(folder), "jax_persistent_cache_min_compile_time_secs": 0.2}
     for name, value in settings.items():
         os.environ[name.upper()] = str(value)
-        jax.config.update(name, value)

@@ -20,7 +20,7 @@ import jax
 from jzero import models
 from jzero.analysis import profile
 from jzero.analysis.hlo import DTYPE_BYTES
-from jzero.config import AttentionConfig, Config
+from jzero.config import Config
 from jzero.models import attention
 from jzero.models.moe import DISPATCH
 from jzero.train.resolve import check_zero
@@ -167,14 +167,28 @@ def long_sequence(config: Config, mem: profile.MemoryReport) -> dict[str, float]
         return {}
     out = {"attention_temp_gib": (mem.temp - bare.temp) / GiB}
     model = config.jzero.model
-    variants = {"saved_by_blockwise_attention_gib": {"attention": dataclasses.replace(
-        model.attention or AttentionConfig(), implementation="naive")}}
-    if model.name == "gpt" and model.loss_tile != 0:
-        variants["saved_by_tiled_loss_gib"] = {"loss_tile": 0}
-    for name, change in variants.items():
+    for name, change in _savings(config).items():
         other = dataclasses.replace(config, jzero=dataclasses.replace(
             config.jzero, model=dataclasses.replace(model, **change)))
         out[name] = (profile.memory(compile_step(other).compiled).peak - mem.peak) / GiB
+    return out
+
+
+def _savings(config: Config) -> dict[str, dict[str, Any]]:
+    """The GPT's long-sequence features this config uses, each as the model-section change that
+    turns it off: blockwise attention (in use from ``blockwise_from`` tokens, or under a sparse
+    layout) and the tiled loss (in use above one tile of tokens a device)."""
+    if config.jzero.model.name != "gpt":
+        return {}
+    spec = models.build(config).spec
+    out: dict[str, dict[str, Any]] = {}
+    settings = spec.attention
+    blockwise = settings.implementation == "blockwise" or spec.sparse_attention is not None or (
+        settings.implementation == "auto" and spec.seq_len >= settings.blockwise_from)
+    if blockwise:
+        out["saved_by_blockwise_attention_gib"] = {"attention": dataclasses.replace(settings, implementation="naive")}
+    if spec.loss_tile and config.train_micro_batch_size_per_gpu * spec.seq_len > spec.loss_tile:
+        out["saved_by_tiled_loss_gib"] = {"loss_tile": 0}
     return out
 
 
