@@ -2,12 +2,15 @@
 and every policy computes the same loss and gradients."""
 import functools
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jzero
 from jzero.analysis import profile
 from jzero.models import gpt
+from jzero.models.layers import run_stack
 from jzero.zero import remat
 
 
@@ -47,3 +50,35 @@ def test_policies_are_named_in_one_table():
     assert set(remat.POLICIES) == {"none", "full", "dots", "dots_no_batch", "names", "offload"}
     with pytest.raises(KeyError, match="valid: none, full"):
         remat.policy("everything")
+
+
+def _layer(w, h, _):
+    """A bf16 layer that upcasts its input first, as the GPT block's LayerNorm does."""
+    return jnp.tanh(h.astype(jnp.float32) @ w).astype(h.dtype)
+
+
+def _checkpointed_stack(ws, x):
+    body = jax.checkpoint(lambda h, w: (_layer(w, h, None), None), policy=remat.FULL, prevent_cse=False)
+    return jax.lax.scan(body, x, ws)[0]
+
+
+def _full_stack(ws, x):
+    return run_stack(_layer, x, ws, jnp.zeros(len(ws)), "full")
+
+
+def test_full_remat_saves_16_bit_inputs_narrow_with_the_same_gradients():
+    """The "full" policy (`remat.full`) gives ``jax.checkpoint``'s gradients, and its compiled
+    backward holds no fp32 copy of the 6 stacked bf16 layer inputs; negative control: under
+    ``jax.checkpoint`` XLA:CPU makes that copy (it widens the bf16 slice's whole operand)."""
+    ws = jax.random.normal(jax.random.key(0), (6, 32, 32)) / 6
+    x = jax.random.normal(jax.random.key(1), (8, 64, 32)).astype(jnp.bfloat16)
+    grads, texts = {}, {}
+    for name, stack in (("checkpoint", _checkpointed_stack), ("full", _full_stack)):
+        fn = jax.jit(jax.grad(lambda ws, x, stack=stack: jnp.sum(stack(ws, x).astype(jnp.float32) ** 2),
+                              argnums=(0, 1)))
+        grads[name] = fn(ws, x)
+        texts[name] = fn.lower(ws, x).compile().as_text()
+    for a, b in zip(jax.tree.leaves(grads["full"]), jax.tree.leaves(grads["checkpoint"]), strict=True):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    assert "f32[6,8,64,32]" in texts["checkpoint"]
+    assert "f32[6,8,64,32]" not in texts["full"]

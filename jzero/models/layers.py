@@ -58,7 +58,9 @@ def run_stack(apply_layer: Callable[[Any, Any, Any], Any], x: Any, stacked: Any,
     def body(carry, xs):
         return apply_layer(xs[0], carry, xs[1]), None
 
-    if remat_policy != "none":
+    if policy is remat.FULL:
+        body = remat.full(body)
+    elif policy is not None:
         body = jax.checkpoint(body, policy=policy, prevent_cse=False)
     return jax.lax.scan(body, x, (stacked, extra))[0]
 

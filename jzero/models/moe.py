@@ -30,7 +30,7 @@ from flax import nnx
 
 from jzero.config import Config, ConfigError
 from jzero.models import gating
-from jzero.zero import hooks, phase
+from jzero.zero import bits, phase
 from jzero.zero.mesh import EXPERT
 from jzero.zero.sharding import EXPERT_KEY
 
@@ -130,8 +130,8 @@ def all_to_all(x: jax.Array, split: int, concat: int) -> jax.Array:
     """``lax.all_to_all`` over "expert" in ``x``'s dtype (16-bit values moved as their bits, which
     no backend widens); backward: the reverse all-to-all of the cotangent, likewise."""
     with jax.named_scope(DISPATCH):
-        moved = jax.lax.all_to_all(hooks.to_wire(x), EXPERT, split_axis=split, concat_axis=concat, tiled=True)
-    return hooks.from_wire(moved, x.dtype)
+        moved = jax.lax.all_to_all(bits.raw(x), EXPERT, split_axis=split, concat_axis=concat, tiled=True)
+    return bits.restored(moved, x.dtype)
 
 
 def _all_to_all_fwd(x, split, concat):

@@ -55,7 +55,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jzero.zero import buckets, dots, zeropp
+from jzero.zero import bits, buckets, dots, remat, zeropp
 from jzero.zero.mesh import DATA_AXES, FSDP
 from jzero.zero.sharding import is_stacked
 
@@ -172,16 +172,6 @@ def vary(x: jax.Array) -> jax.Array:
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
-def to_wire(x: jax.Array) -> jax.Array:
-    """A 16-bit value as its raw bits (uint16), so no backend widens it on the wire (XLA:CPU
-    turns bf16 collectives into f32 ones); `from_wire` turns it back."""
-    return jax.lax.bitcast_convert_type(x, jnp.uint16) if x.dtype.itemsize == 2 else x
-
-
-def from_wire(x: jax.Array, dtype: Any) -> jax.Array:
-    return jax.lax.bitcast_convert_type(x, dtype) if x.dtype == jnp.uint16 else x
-
-
 def reduce(cts: Sequence[jax.Array], reds: Sequence[Reduce], wire: Wire) -> list[jax.Array]:
     """Sum each device's local gradients over the data devices, as their ``reds`` say: scatter
     inside the ZeRO group, then add over the other axes (a trivial axis moves no data), in the
@@ -225,8 +215,8 @@ def _use(value: jax.Array, kind: str, red: Reduce, wire: Wire) -> jax.Array:
     elif zeropp.can_gather(value, wire.weights):
         full = zeropp.gather(value, red.dim, red.scatter, wire.compute, wire.weights)
     else:
-        moved = jax.lax.all_gather(to_wire(value.astype(wire.compute)), red.scatter, axis=red.dim, tiled=True)
-        full = from_wire(moved, wire.compute)
+        moved = jax.lax.all_gather(bits.raw(value.astype(wire.compute)), red.scatter, axis=red.dim, tiled=True)
+        full = bits.restored(moved, wire.compute)
     return checkpoint_name(vary(full), HOOK)
 
 
@@ -311,7 +301,8 @@ def accumulate_stack(layer: Callable, x: Any, ws: Any, extra: Any, accs: Any) ->
     each layer's weight gradient into ``accs`` in place, layer by layer, and returns the result
     as the cotangent of ``accs`` (``accs`` + the gradient: the running sum over micro-batches);
     ``ws`` gets none. No full gradient buffer besides the accumulator ever exists. Each layer's
-    forward is recomputed in the backward from its saved input (the "full" remat policy)."""
+    forward is recomputed in the backward from its saved input (the "full" remat policy; 16-bit
+    floats saved as raw bits, as `jzero.zero.remat.full` does)."""
     return _stack_forward(layer, x, ws, extra)[0]
 
 
@@ -324,7 +315,7 @@ def _stack_forward(layer, x, ws, extra):
 
 def _accumulate_fwd(layer, x, ws, extra, accs):
     out, inputs = _stack_forward(layer, x, ws, extra)
-    return out, (ws, extra, inputs, accs)
+    return out, (ws, extra, jax.tree.map(bits.raw, inputs), accs)
 
 
 def _accumulate_bwd(layer, res, ct):
@@ -333,6 +324,7 @@ def _accumulate_bwd(layer, res, ct):
     def body(carry, xs):
         ct_h, accs = carry
         w, e, h, i = xs
+        h = jax.tree.map(lambda v, c: bits.restored(v, c.dtype), h, ct_h)
         _, pull = jax.vjp(lambda w, h: layer(w, h, e), w, h)
         ct_w, ct_h = pull(ct_h)
         accs = jax.tree.map(lambda a, g: a.at[i].add(g.astype(a.dtype)), accs, ct_w)
@@ -386,7 +378,8 @@ def scan(ctx: HookContext, apply_layer: Callable, policy: Callable | None, x: An
         ws = _apply(ctx, [b.kind for b in bound], [b.reduce for b in bound], [b.frozen for b in bound], layer_inputs)
         return apply_layer(jax.tree.unflatten(treedef, ws), carry, layer_extra)
 
-    local = jax.checkpoint(local, policy=_never_save_hooks(policy), prevent_cse=False)
+    local = remat.full(local) if policy is remat.FULL else jax.checkpoint(
+        local, policy=_never_save_hooks(policy), prevent_cse=False)
 
     def body(carry, xs):
         return local(carry, *xs), None
@@ -405,7 +398,7 @@ def _accumulating_scan(ctx: HookContext, apply_layer: Callable, policy: Callable
     def layer(ws, h, e):
         return apply_layer(jax.tree.unflatten(treedef, [w.astype(ctx.wire.compute) for w in ws]), h, e)
 
-    if policy is jax.checkpoint_policies.nothing_saveable:
+    if policy is remat.FULL:
         return accumulate_stack(layer, x, ws, extra, accs)
     if policy is not None:
         layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
