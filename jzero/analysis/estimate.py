@@ -159,8 +159,9 @@ def estimate(config: Config, stage: int | None = None) -> Estimate:
 def long_sequence(config: Config, mem: profile.MemoryReport) -> dict[str, float]:
     """What attention and the language-model loss cost per device: attention's share of the
     temporaries (the step compiled once more without attention: `attention.absent`), and where
-    the config uses them, what blockwise attention and the tiled loss save (the peak of the same
-    step with naive attention, with whole logits). Empty for a model without attention."""
+    the config uses them, what blockwise attention, the tiled loss and the tiled feed-forward
+    save (the peak of the same step with naive attention, whole logits, an untiled feed-forward).
+    Empty for a model without attention."""
     with attention.absent():
         bare = profile.memory(compile_step(dataclasses.replace(config)).compiled)
     if bare.temp == mem.temp:
@@ -177,7 +178,8 @@ def long_sequence(config: Config, mem: profile.MemoryReport) -> dict[str, float]
 def _savings(config: Config) -> dict[str, dict[str, Any]]:
     """The GPT's long-sequence features this config uses, each as the model-section change that
     turns it off: blockwise attention (in use from ``blockwise_from`` tokens, or under a sparse
-    layout) and the tiled loss (in use above one tile of tokens a device)."""
+    layout), the tiled loss and the tiled feed-forward (each in use above one tile of tokens a
+    device)."""
     if config.jzero.model.name != "gpt":
         return {}
     spec = models.build(config).spec
@@ -187,8 +189,10 @@ def _savings(config: Config) -> dict[str, dict[str, Any]]:
         settings.implementation == "auto" and spec.seq_len >= settings.blockwise_from)
     if blockwise:
         out["saved_by_blockwise_attention_gib"] = {"attention": dataclasses.replace(settings, implementation="naive")}
-    if spec.loss_tile and config.train_micro_batch_size_per_gpu * spec.seq_len > spec.loss_tile:
-        out["saved_by_tiled_loss_gib"] = {"loss_tile": 0}
+    tokens = config.train_micro_batch_size_per_gpu * spec.seq_len
+    for key, row in (("loss_tile", "saved_by_tiled_loss_gib"), ("mlp_tile", "saved_by_tiled_mlp_gib")):
+        if getattr(spec, key) and tokens > getattr(spec, key):
+            out[row] = {key: 0}
     return out
 
 

@@ -2,13 +2,12 @@
 (`typed`), DeepSpeed's elasticity arithmetic (`elastic`), the `{param: default}` checker
 (`paramtable`), HF's "auto" (`hf`). The bottom layer: imports no jzero module outside it.
 
-`typed` and `elastic` import no jzero module at all, so every module can read a `Config` and
-raise `ConfigError` without pulling anything else in. `parse_config` turns a DeepSpeed ``ds_config``
-dict into the dataclasses below: an unknown key or a wrong type raises `ConfigError` with the
-dotted key path and what would be valid; the batch rule (micro x accum x dp = train) is
-resolved against a data-parallel size and re-resolved by `Config.for_dp` when the mesh
-differs. What DeepSpeed features jzero refuses, value ranges, and the sections owned by other
-modules (optimizer, scheduler, remat, model) are checked above this module, by
+`typed` and `elastic` import no jzero module at all, so every module can read a `Config` and raise
+`ConfigError` without pulling anything else in. `parse_config` turns a DeepSpeed ``ds_config`` dict into the
+dataclasses below: an unknown key or a wrong type raises `ConfigError` with the dotted key path and what would
+be valid; the batch rule (micro x accum x dp = train) is resolved against a data-parallel size and re-resolved
+by `Config.for_dp` when the mesh differs. What DeepSpeed features jzero refuses, value ranges, and the
+sections owned by other modules (optimizer, scheduler, remat, model) are checked above this module, by
 `jzero.train.resolve.load_config`, the public entry point.
 """
 from __future__ import annotations
@@ -204,6 +203,7 @@ class ModelConfig:
     text_layers: int | None = None
     attention: AttentionConfig | None = None  # gpt, vit, clip
     loss_tile: int | None = None  # gpt: tokens per tile of the loss, 0 = whole logits
+    mlp_tile: int | None = None  # gpt: tokens per tile of each feed-forward, 0 = untiled
 
 
 @dataclass(frozen=True)

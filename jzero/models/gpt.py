@@ -22,12 +22,11 @@ import optax
 from jax.ad_checkpoint import checkpoint_name
 
 from jzero.config import AttentionConfig, Config, ConfigError, ModelConfig, SparseAttentionConfig
-from jzero.models import attention
+from jzero.models import attention, tiles
 from jzero.models.adapters import from_linen
 from jzero.models.base import Model, from_section
 from jzero.models.layers import scan_layers
 from jzero.models.moe import MoE, MoESpec, MoEStats, spec_from_config
-from jzero.models.tiled_loss import tiled_cross_entropy
 from jzero.zero import phase
 
 
@@ -47,7 +46,8 @@ class GPTConfig:
     aux_loss_coef: float = 0.0
     attention: AttentionConfig = AttentionConfig()
     sparse_attention: SparseAttentionConfig | None = None  # DeepSpeed's section: the layout of every layer
-    loss_tile: int = 1024  # tokens per tile of the LM loss (`jzero.models.tiled_loss`); 0: whole logits
+    loss_tile: int = 1024  # tokens per tile of the LM loss (`jzero.models.tiles`); 0: whole logits
+    mlp_tile: int = 0  # tokens per tile of each feed-forward (`jzero.models.tiles`); 0: untiled
 
     @property
     def moe_layers(self) -> int:
@@ -69,8 +69,9 @@ def gpt_config(model: ModelConfig, remat: str = "full", config: Config | None = 
     cfg = from_section(model, SIZES, remat, ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "d_ff"))
     if cfg.positions == "rotary" and (cfg.d_model // cfg.n_heads) % 2:
         raise ConfigError("jzero.model.positions: rotary needs an even head size (d_model / n_heads)")
-    if cfg.loss_tile < 0:
-        raise ConfigError(f"jzero.model.loss_tile: must be >= 0 (0: the whole logits), got {cfg.loss_tile}")
+    for key in ("loss_tile", "mlp_tile"):
+        if getattr(cfg, key) < 0:
+            raise ConfigError(f"jzero.model.{key}: must be >= 0 (0: untiled), got {getattr(cfg, key)}")
     if config is not None and config.sparse_attention is not None:
         cfg = dataclasses.replace(cfg, sparse_attention=attention.layouts.checked(config, cfg.seq_len))
     spec = None if config is None else spec_from_config(config, cfg.d_model, cfg.d_ff)
@@ -129,8 +130,12 @@ class Block(nn.Module):
             if self.moe is not None:
                 y, layer = MoE(self.moe, name="moe")(h)
                 return x + y, stats + layer
-            h = checkpoint_name(jax.nn.gelu(nn.Dense(cfg.d_ff, kernel_init=_init, name="fc")(h)), "mlp_hidden")
-            return x + nn.Dense(d, kernel_init=_init, name="out")(h)
+            fc, out = nn.Dense(cfg.d_ff, kernel_init=_init, name="fc"), nn.Dense(d, kernel_init=_init, name="out")
+            tile = getattr(cfg, "mlp_tile", 0)
+            if tile and b * t > tile:
+                return x + tiles.tiled_mlp(h, tiles.params_of(fc, d, h.dtype),
+                                           tiles.params_of(out, cfg.d_ff, h.dtype), tile=tile)
+            return x + out(checkpoint_name(jax.nn.gelu(fc(h)), "mlp_hidden"))
 
 
 class MoEUnit(nn.Module):
@@ -149,7 +154,7 @@ class MoEUnit(nn.Module):
 class GPT(nn.Module):
     """Logits (batch, seq, vocab) in fp32; with MoE layers ``(logits, MoEStats summed over them)``.
     Given ``(tokens, targets)`` instead, the mean cross entropy in place of the logits, computed
-    ``loss_tile`` tokens at a time (`jzero.models.tiled_loss`: full logits never exist)."""
+    ``loss_tile`` tokens at a time (`jzero.models.tiles`: full logits never exist)."""
 
     cfg: GPTConfig
 
@@ -183,11 +188,10 @@ def _tiled_loss(cfg: GPTConfig, x: jax.Array, targets: jax.Array, embed: nn.Embe
     (the embedding when tied)."""
     with jax.named_scope("loss"):
         if head is None:
-            return tiled_cross_entropy(x, embed.embedding, targets, tied=True, tile=cfg.loss_tile)
-        head(x[:1, :1])  # binds the head (at init: creates its kernel and bias)
-        params = head.variables["params"]
-        return tiled_cross_entropy(x, params["kernel"], targets, bias=params["bias"], tied=False,
-                                   tile=cfg.loss_tile)
+            return tiles.tiled_cross_entropy(x, embed.embedding, targets, tied=True, tile=cfg.loss_tile)
+        params = tiles.params_of(head, cfg.d_model, x.dtype)
+        return tiles.tiled_cross_entropy(x, params["kernel"], targets, bias=params["bias"], tied=False,
+                                         tile=cfg.loss_tile)
 
 
 def model_flops(cfg: GPTConfig, tokens: int) -> dict[str, float]:

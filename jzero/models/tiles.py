@@ -1,19 +1,46 @@
-"""The language-model loss in tiles of tokens, so the ``tokens x vocab`` logits never exist whole.
+"""Token-wise work in tiles of tokens, each tile recomputed in the backward, so the large
+per-token intermediates of the language-model loss and the feed-forward never exist whole.
 
-A GPT's last activation is small (``tokens x d_model``); its logits are ``vocab / d_model``
-times larger (x 25 for the 1.3B GPT), in fp32, and their gradient as large again: at 16k
-tokens a device that is 6.6 GB, more than the rest of the step's temporaries. DeepSpeed's
-long-sequence training fuses the output projection and the cross entropy per tile and recomputes
-them in the backward; this is that: `tiled_cross_entropy` scans over tiles of ``tile`` tokens,
-each tile's projection + cross entropy under ``jax.checkpoint`` (the backward recomputes its
-logits from the tile's activations), the head's gradient summed over tiles by the scan. One
-tile of logits lives at a time. With no more than ``tile`` tokens it is the plain computation.
+A GPT's activations are ``tokens x d_model``; its logits are ``vocab / d_model`` times larger
+(x 25 for the 1.3B GPT), in fp32, and their gradient as large again: at 16k tokens a device that
+is 6.6 GB. The feed-forward's hidden is ``d_ff / d_model`` (x 4) times larger, and a layer's
+backward holds several such arrays at once. DeepSpeed's long-sequence training (Arctic long
+sequence training: the tiled fused logits+loss and ``TiledMLP``) computes both per tile of tokens
+and recomputes each tile in the backward; this is that: `map_tiles` runs a function over tiles
+of ``tile`` tokens under ``lax.map``, each tile under ``jax.checkpoint`` (the backward recomputes
+its intermediates from the tile's inputs), the params' gradients summed over tiles by the scan.
+One tile's intermediates live at a time. With no more than ``tile`` tokens it is the plain
+computation.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
+
+
+def map_tiles(fn: Callable[..., Any], arrays: tuple[jax.Array, ...], tile: int) -> Any:
+    """``fn(*tiles, valid)`` for each tile of ``tile`` rows of ``arrays`` (their leading axis,
+    zero-padded at the end; ``valid`` marks the real rows), stacked along a new leading axis."""
+    n = arrays[0].shape[0]
+    steps = -(-n // tile)
+    pad = steps * tile - n
+    tiled = tuple(jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)).reshape(steps, tile, *a.shape[1:])
+                  for a in arrays)
+    valid = (jnp.arange(steps * tile) < n).reshape(steps, tile)
+    one = jax.checkpoint(fn)
+    return jax.lax.map(lambda xs: one(*xs), (*tiled, valid))
+
+
+def params_of(dense: nn.Dense, width: int, dtype: Any) -> dict[str, jax.Array]:
+    """A Linen ``Dense``'s params, bound by applying it to one row of ``width`` zeros (at init
+    that creates them), for computing with them outside Linen (inside `map_tiles`)."""
+    dense(jnp.zeros((1, width), dtype))
+    return dense.variables["params"]
 
 
 def _tile_sum(x: jax.Array, targets: jax.Array, valid: jax.Array, weight: jax.Array, bias: jax.Array | None,
@@ -36,11 +63,19 @@ def tiled_cross_entropy(x: jax.Array, weight: jax.Array, targets: jax.Array, *, 
     n = x.shape[0]
     if n <= tile:
         return _tile_sum(x, targets, jnp.ones(n, bool), weight, bias, tied) / n
-    steps = -(-n // tile)
-    pad = steps * tile - n
-    x = jnp.pad(x, ((0, pad), (0, 0))).reshape(steps, tile, d)
-    targets = jnp.pad(targets, (0, pad)).reshape(steps, tile)
-    valid = (jnp.arange(steps * tile) < n).reshape(steps, tile)
-    one = jax.checkpoint(lambda xt, tt, vt: _tile_sum(xt, tt, vt, weight, bias, tied))
-    _, sums = jax.lax.scan(lambda carry, xs: (carry, one(*xs)), None, (x, targets, valid))
+    sums = map_tiles(lambda xt, tt, vt: _tile_sum(xt, tt, vt, weight, bias, tied), (x, targets), tile)
     return jnp.sum(sums) / n
+
+
+def mlp(x: jax.Array, fc: dict[str, jax.Array], out: dict[str, jax.Array]) -> jax.Array:
+    """The GPT feed-forward ``gelu(x @ fc + b) @ out + b`` on two ``Dense`` param dicts."""
+    return jax.nn.gelu(x @ fc["kernel"] + fc["bias"]) @ out["kernel"] + out["bias"]
+
+
+def tiled_mlp(x: jax.Array, fc: dict[str, jax.Array], out: dict[str, jax.Array], *, tile: int) -> jax.Array:
+    """`mlp` of ``x`` ``[..., d]``, ``tile`` tokens at a time (`map_tiles`); the same values and
+    gradients, with one tile's hidden (``tile x d_ff``) alive at a time."""
+    d = x.shape[-1]
+    flat = x.reshape(-1, d)
+    y = map_tiles(lambda xt, _: mlp(xt, fc, out), (flat,), tile)
+    return y.reshape(-1, y.shape[-1])[: flat.shape[0]].reshape(*x.shape[:-1], y.shape[-1])
