@@ -90,3 +90,17 @@ def test_compiled_flops_follow_the_layout_density(flops_at_4096, mode):
     flops, density = flops_at_4096[mode]
     assert density < 0.5
     assert abs(flops / dense_flops / density - 1) <= 0.10, (mode, flops / dense_flops, density)
+
+
+def test_analytic_flops_count_only_the_layouts_blocks():
+    """The GPT's analytic FLOPs (`jzero profile`, the train summary's TFLOPs) count a sparse
+    layout's attention at its density; the dense part is unchanged."""
+    from jzero.models import gpt
+
+    dense = gpt.GPTConfig(seq_len=256)
+    sparse = gpt.GPTConfig(seq_len=256, sparse_attention=_section({"mode": "bigbird", "block": 16}))
+    density = gpt.attention_density(sparse)
+    assert 0 < density < 0.5
+    want, got = gpt.model_flops(dense, 1024), gpt.model_flops(sparse, 1024)
+    assert got["dense"] == want["dense"]
+    assert got["attention"] == pytest.approx(want["attention"] * density, rel=1e-12)

@@ -198,7 +198,8 @@ def model_flops(cfg: GPTConfig, tokens: int) -> dict[str, float]:
     """Analytic training FLOPs (forward + backward, no recompute) for ``tokens`` tokens:
     6 x matmul params x tokens (the layers' qkv, proj, fc, out and the LM head; the embedding
     lookup is not a matmul) and attention's score and value matmuls, 12 x layers x d_model x
-    seq_len per token (the causal mask does not save work in a dense implementation). An MoE
+    seq_len per token (the causal mask is not discounted; a sparse layout counts its blocks: x its
+    density, the random blocks drawn from ``layout_seed`` as the model draws them). An MoE
     layer counts its gate and the k experts each token reaches (not the dispatch einsums nor
     the empty capacity slots)."""
     d, f, L, M = cfg.d_model, cfg.d_ff, cfg.n_layers, cfg.moe_layers
@@ -207,8 +208,16 @@ def model_flops(cfg: GPTConfig, tokens: int) -> dict[str, float]:
         matmul_params += M * (d * cfg.moe.num_experts + cfg.moe.gate.k * 2 * d * f
                               + (2 * d * f + 2 * d if cfg.moe.use_residual else 0))
     dense = 6.0 * matmul_params * tokens
-    attention = 12.0 * L * d * cfg.seq_len * tokens
+    attention = 12.0 * L * d * cfg.seq_len * tokens * attention_density(cfg)
     return {"dense": dense, "attention": attention, "total": dense + attention}
+
+
+def attention_density(cfg: GPTConfig) -> float:
+    """The fraction of score blocks the GPT's sparse layout visits (1 without one)."""
+    if cfg.sparse_attention is None:
+        return 1.0
+    return attention.layouts.density(attention.layouts.cached(
+        cfg.sparse_attention, cfg.n_heads, cfg.seq_len, cfg.attention.layout_seed))
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
