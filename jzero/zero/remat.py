@@ -58,6 +58,7 @@ def full(fn: Callable[..., Any]) -> Callable[..., Any]:
     bits) and ``rest``; the same values and gradients as ``jax.checkpoint`` under "full"."""
     def run(x: Any, *rest: Any) -> Any:
         dtypes = jax.tree.map(lambda v: v.dtype, x)
+        spaces = jax.tree.map(lambda v: jax.typeof(v).memory_space, rest)  # offloaded params: host
 
         @jax.custom_vjp
         def layer(x, *rest):
@@ -68,9 +69,15 @@ def full(fn: Callable[..., Any]) -> Callable[..., Any]:
 
         def bwd(res, ct):
             saved, rest = res
-            return jax.vjp(fn, jax.tree.map(bits.restored, saved, dtypes), *rest)[1](ct)
+            ct_x, *ct_rest = jax.vjp(fn, jax.tree.map(bits.restored, saved, dtypes), *rest)[1](ct)
+            return ct_x, *jax.tree.map(_into, ct_rest, list(spaces))
 
         layer.defvjp(fwd, bwd)
         return layer(x, *rest)
 
     return run
+
+
+def _into(value: jax.Array, space: Any) -> jax.Array:
+    """``value`` in memory ``space`` (a cotangent goes where its primal lives)."""
+    return value if jax.typeof(value).memory_space == space else jax.device_put(value, space)
