@@ -139,3 +139,16 @@ def test_auto_picks_naive_short_and_blockwise_long_or_sparse():
     assert attn.resolve("auto", q, k, False, None, blockwise_from=1024) == "naive"
     assert attn.resolve("auto", q, k, False, None, blockwise_from=16) == "blockwise"
     assert attn.resolve("auto", q, k, False, np.ones((1, 4, 4)), blockwise_from=1024) == "blockwise"
+
+
+def test_only_long_context_models_pay_for_the_attention_share():
+    """`jzero estimate` and the train summary compile the step once more to measure attention's
+    share only for long sequences (>= blockwise_from tokens) or a sparse layout."""
+    from jzero.config import AttentionConfig
+    from jzero.models import gpt, vit
+
+    assert not attn.long_context(gpt.GPTConfig(seq_len=255))
+    assert attn.long_context(gpt.GPTConfig(seq_len=256))
+    assert not attn.long_context(gpt.GPTConfig(seq_len=256, attention=AttentionConfig(blockwise_from=512)))
+    assert attn.long_context(gpt.GPTConfig(seq_len=64, sparse_attention=object()))
+    assert not attn.long_context(vit.ViTConfig())

@@ -101,23 +101,10 @@ def test_estimate_says_what_attention_costs_and_what_blockwise_saved():
 
 @pytest.mark.slow
 def test_the_long_context_config_trains(tmp_path):
-    """`jzero train configs/gpt_long.json` (T = 4096, blockwise by auto) finishes on 2 cores and
-    its held-out loss falls by at least 30%."""
+    """`jzero train configs/gpt_long.json` (T = 4096, blockwise by auto) finishes on 2 cores, its
+    summary shows attention's share of the temporaries, and its held-out loss falls by at least 30%."""
     proc = jzero_cli("train", "configs/gpt_long.json", "--out", str(tmp_path / "run"), timeout=900, optimized=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "of which attention" in proc.stdout + proc.stderr  # the summary's share of the temporaries
     held_out = [float(r["eval_loss"]) for r in read_csv(tmp_path / "run" / "metrics.csv") if r["eval_loss"]]
     assert held_out[-1] <= 0.7 * held_out[0], held_out
-
-
-@pytest.mark.slow
-def test_the_1_3b_plan_fits_in_a_third_of_the_naive_peak():
-    """`jzero estimate configs/gpt_1.3b_zero3.json --devices 64` (64 simulated devices, in a
-    process of its own): the per-device peak is at most a third of the 17.6 GiB it was with
-    naive attention and whole logits, and the table says what blockwise attention, the tiled
-    loss and the tiled feed-forward each saved."""
-    proc = jzero_cli("estimate", "configs/gpt_1.3b_zero3.json", "--devices", "64", "--json", timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    row = json.loads(proc.stdout)["stages"][0]
-    assert row["peak_gib"] <= 17.6 / 3, row
-    for saved in ("blockwise_attention", "tiled_loss", "tiled_mlp"):
-        assert row[f"saved_by_{saved}_gib"] > 0.5, row

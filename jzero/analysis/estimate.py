@@ -128,7 +128,7 @@ def estimate(config: Config, stage: int | None = None) -> Estimate:
         config = dataclasses.replace(config, zero_optimization=dataclasses.replace(
             config.zero_optimization, stage=stage))
         check_zero(config.zero_optimization)
-    compiled, state, _, _, compile_s = compile_step(config)
+    compiled, state, _, model, compile_s = compile_step(config)
     cfg, mesh = state.config, state.plan.mesh
     mem = profile.memory(compiled)
     comm = profile.comm(compiled)
@@ -153,7 +153,7 @@ def estimate(config: Config, stage: int | None = None) -> Estimate:
                     analytic=_analytic(state), compile_s=compile_s, all_to_alls=sum(c.count for c in a2a),
                     all_to_all_bytes=sum(c.elements * DTYPE_BYTES.get(c.dtype, 4) * c.count for c in a2a),
                     wire_bytes=zero.total_wire_bytes(), unquantized_wire_bytes=unquantized, widened=widened,
-                    sequence=long_sequence(config, mem))
+                    sequence=long_sequence(config, mem) if attention.long_context(model.spec) else {})
 
 
 def long_sequence(config: Config, mem: profile.MemoryReport) -> dict[str, float]:
@@ -161,7 +161,7 @@ def long_sequence(config: Config, mem: profile.MemoryReport) -> dict[str, float]
     temporaries (the step compiled once more without attention: `attention.absent`), and where
     the config uses them, what blockwise attention, the tiled loss and the tiled feed-forward
     save (the peak of the same step with naive attention, whole logits, an untiled feed-forward).
-    Empty for a model without attention."""
+    `estimate` asks only for a `attention.long_context` model (each row is another compile)."""
     with attention.absent():
         bare = profile.memory(compile_step(dataclasses.replace(config)).compiled)
     if bare.temp == mem.temp:

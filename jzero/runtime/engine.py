@@ -135,7 +135,8 @@ class Engine:
         summary.compile_s = time.perf_counter() - t0
         try:
             summary.memory = profile.memory(compiled)
-            summary.attention_temp = self._attention_temp(summary.memory.temp, start)
+            if attention.long_context(self.model.spec):
+                summary.attention_temp = self._attention_temp(summary.memory.temp, start)
         except RuntimeError:  # a backend without memory_analysis(): the summary omits memory
             summary.memory = None
         eval_every = cfg.jzero.train.eval_interval

@@ -160,6 +160,17 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, bias: Any = None, mas
                                  block_q=block_q, block_k=block_k)
 
 
+def long_context(spec: Any) -> bool:
+    """Whether a model (its spec) attends over long sequences: at least ``blockwise_from`` tokens,
+    or under a sparse layout. Only there is attention's share of the step's memory worth the
+    second compile that measures it (`jzero estimate`, the train summary); a vision tower's few
+    dozen patches (its spec has no ``seq_len``) never are."""
+    settings = getattr(spec, "attention", None)
+    if settings is None:
+        return False
+    return getattr(spec, "sparse_attention", None) is not None or getattr(spec, "seq_len", 0) >= settings.blockwise_from
+
+
 def check_settings(settings: AttentionConfig | None) -> None:
     """ConfigError naming the ``jzero.model.attention`` key that is out of range."""
     for key in ("block_q", "block_k", "blockwise_from"):
