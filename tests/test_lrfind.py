@@ -103,6 +103,7 @@ def test_auto_lr_on_a_set_lr_is_one_line():
     assert '--auto-lr: the config\'s optimizer.params.lr is 0.003, not "auto"' in proc.stderr
 
 
+@pytest.mark.slow  # a whole `jzero train` process (the default suite's budget)
 def test_an_auto_lr_without_auto_lr_takes_hf_trainers_default_and_says_so(tmp_path):
     """lr "auto" is what HF's templates say: without --auto-lr it is the Trainer's default,
     in the one line that lists the filled keys, which points to --auto-lr."""

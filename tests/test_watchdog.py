@@ -133,6 +133,7 @@ def test_non_positive_timeouts_are_refused(key):
         jzero.load_config({"train_batch_size": 8, "jzero": {"watchdog": {key: -1}}})
 
 
+@pytest.mark.slow  # a whole stalled `jzero train` process (the default suite's budget)
 def test_a_stalled_single_process_exits_with_its_stacks(tmp_path):
     """No launcher, one process: stuck in a checkpoint save, it says where and exits 75."""
     out = tmp_path / "run"

@@ -200,6 +200,7 @@ QUANTIZE = ["--set", "zero_optimization.zero_quantized_weights=true",
             "--set", "zero_optimization.zero_quantized_gradients=true"]
 
 
+@pytest.mark.slow  # a whole `jzero estimate` process (the default suite's budget)
 def test_estimate_reports_the_wire_against_the_unquantized_step():
     proc = jzero_cli("estimate", "configs/gpt_small_zero3.json", "--devices", "8", "--json", *QUANTIZE,
                      "--set", "communication_data_type=\"bf16\"")
@@ -211,6 +212,7 @@ def test_estimate_reports_the_wire_against_the_unquantized_step():
     assert "reduce-scatter bf16->f32" in row["widened_by_backend"]
 
 
+@pytest.mark.slow  # a whole `jzero profile` process (the default suite's budget)
 def test_profile_measures_the_quantization_error():
     proc = jzero_cli("profile", "configs/gpt_tiny.json", "--devices", "2", "--json", "--quantization-error",
                      "--set", "jzero.quantization_block_size=256")
