@@ -63,7 +63,8 @@ def _checkpointed_stack(ws, x):
 
 
 def _full_stack(ws, x):
-    return run_stack(_layer, x, ws, jnp.zeros(len(ws)), "full")
+    body = remat.full(lambda h, w: (_layer(w, h, None), None))
+    return jax.lax.scan(body, x, ws)[0]
 
 
 def test_full_remat_saves_16_bit_inputs_narrow_with_the_same_gradients():
@@ -82,3 +83,32 @@ def test_full_remat_saves_16_bit_inputs_narrow_with_the_same_gradients():
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
     assert "f32[6,8,64,32]" in texts["checkpoint"]
     assert "f32[6,8,64,32]" not in texts["full"]
+
+
+def _dense_layer(w, h, _):
+    return jnp.tanh(h @ w)
+
+
+def test_weight_gradient_dots_stay_unfolded_on_cpu():
+    """Stages 0-1 have no hooks, so `run_stack` itself passes each layer's 2-D weight gradients
+    through `dots.unfold`: the compiled weight-gradient dot keeps JAX's ``ct x input`` form
+    (``[out, in]``, then a transpose) instead of XLA:CPU's folded ``input x ct`` (which runs on
+    Eigen instead of YNNPACK); the same gradients. Negative control: the plain scan's is folded."""
+    ws = jax.random.normal(jax.random.key(0), (3, 64, 64)) / 8
+    x = jax.random.normal(jax.random.key(1), (32, 64))
+
+    def plain(ws, x):
+        return jax.lax.scan(lambda h, w: (_dense_layer(w, h, None), None), x, ws)[0]
+
+    def stacked(ws, x):
+        return run_stack(_dense_layer, x, ws, jnp.zeros(3), "none")
+
+    grads, input_first = {}, {}
+    for name, stack in (("plain", plain), ("run_stack", stacked)):
+        fn = jax.jit(jax.grad(lambda ws, x, stack=stack: jnp.sum(stack(ws, x) ** 2)))
+        grads[name] = fn(ws, x)
+        text = fn.lower(ws, x).compile().as_text()
+        (dot,) = [ln for ln in text.splitlines() if "= f32[64,64]" in ln and " dot(" in ln]
+        input_first[name] = dot.split(" dot(")[1].startswith("%dynamic-slice")  # the layer's input, sliced
+    np.testing.assert_allclose(np.asarray(grads["run_stack"]), np.asarray(grads["plain"]), rtol=1e-6)
+    assert input_first == {"plain": True, "run_stack": False}, input_first

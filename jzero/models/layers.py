@@ -22,7 +22,7 @@ import flax.linen as nn
 import jax
 from flax import nnx
 
-from jzero.zero import hooks, remat
+from jzero.zero import dots, hooks, remat
 from jzero.zero.sharding import STACKED_KEY
 
 
@@ -54,6 +54,8 @@ def run_stack(apply_layer: Callable[[Any, Any, Any], Any], x: Any, stacked: Any,
     ctx = hooks.current()
     if ctx is not None:
         return hooks.scan(ctx, apply_layer, policy, x, stacked, extra)
+    if dots.applies(jax.default_backend()):
+        apply_layer = _unfolding(apply_layer)
 
     def body(carry, xs):
         return apply_layer(xs[0], carry, xs[1]), None
@@ -63,6 +65,19 @@ def run_stack(apply_layer: Callable[[Any, Any, Any], Any], x: Any, stacked: Any,
     elif policy is not None:
         body = jax.checkpoint(body, policy=policy, prevent_cse=False)
     return jax.lax.scan(body, x, (stacked, extra))[0]
+
+
+@jax.custom_vjp
+def _unfolded(params: Any) -> Any:
+    """``params``; their 2-D cotangents pass `dots.unfold` (the hooks do it at stages 2-3)."""
+    return params
+
+
+_unfolded.defvjp(lambda params: (params, None), lambda _, ct: (jax.tree.map(dots.unfold, ct),))
+
+
+def _unfolding(apply_layer: Callable[[Any, Any, Any], Any]) -> Callable[[Any, Any, Any], Any]:
+    return lambda params, h, extra: apply_layer(_unfolded(params), h, extra)
 
 
 class LinenScanLayers(nn.Module):
