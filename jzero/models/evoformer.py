@@ -51,8 +51,8 @@ class EvoformerConfig:
     pair_heads: int = 2
     pair_head_dim: int = 16
     c_opm: int = 16  # outer product mean's hidden
-    c_tri: int = 32  # triangle multiplication's hidden
-    transition: int = 4  # transition width factor
+    c_tri: int = 16  # triangle multiplication's hidden
+    transition: int = 2  # transition width factor
     n_layers: int = 2  # Evoformer blocks
     relpos: int = 32  # relative positions clipped to +-relpos
     remat: str = "full"
@@ -68,7 +68,7 @@ class EvoformerConfig:
 SIZES: dict[str, EvoformerConfig] = {
     "tiny": EvoformerConfig(),
     "af2": EvoformerConfig(crop=384, n_seq=128, c_m=256, c_z=128, msa_heads=8, msa_head_dim=32, pair_heads=4,
-                           pair_head_dim=32, c_opm=32, c_tri=128, n_layers=48),
+                           pair_head_dim=32, c_opm=32, c_tri=128, transition=4, n_layers=48),
 }
 POSITIVE = ("crop", "n_seq", "c_m", "c_z", "msa_heads", "msa_head_dim", "pair_heads", "pair_head_dim", "c_opm",
             "c_tri", "transition", "n_layers", "relpos")
@@ -110,7 +110,8 @@ class GatedAttention(nn.Module):
         if self.bias != "none":
             # The pair's LayerNorm has no offset: it would add one constant to every score, which
             # softmax ignores; its gradient is rounding noise that Adam would amplify.
-            source = nn.LayerNorm(use_bias=False, use_fast_variance=False, name="ln_pair")(pair) if self.bias == "pair" else x
+            source = x if self.bias == "self" else nn.LayerNorm(use_bias=False, use_fast_variance=False,
+                                                                 name="ln_pair")(pair)
             bias = nn.Dense(self.heads, use_bias=False, name="pair_bias")(source).transpose(0, 3, 1, 2)
         out = _attend(self.cfg, q, k, v, bias, mask) * gate
         return nn.DenseGeneral(x.shape[-1], axis=(-2, -1), name="out")(out)
@@ -216,8 +217,10 @@ class Evoformer(nn.Module):
             carry = (m, z, jnp.broadcast_to(mask[:, None], m.shape[:3]), mask[:, :, None] * mask[:, None])
         m, z, _, _ = scan_layers(EvoformerBlock(c), c.n_layers, remat_policy=c.remat, name="blocks")(carry)
         with jax.named_scope("head"):
-            ss = nn.Dense(SS_CLASSES, name="ss")(nn.LayerNorm(use_fast_variance=False, name="ln_m")(m[:, 0]))
-            dist = nn.Dense(DISTOGRAM_BINS, name="distogram")(z + z.swapaxes(1, 2))
+            zeros = nn.initializers.zeros  # both heads start at the uniform prediction (log 8, log 64)
+            ss = nn.Dense(SS_CLASSES, kernel_init=zeros, name="ss")(
+                nn.LayerNorm(use_fast_variance=False, name="ln_m")(m[:, 0]))
+            dist = nn.Dense(DISTOGRAM_BINS, kernel_init=zeros, name="distogram")(z + z.swapaxes(1, 2))
         return ss.astype(jnp.float32), dist.astype(jnp.float32)
 
 

@@ -191,7 +191,7 @@ def structure(config: Config, model: models.Model) -> Task:
                 PROTEIN_METRICS)
 
 
-EVAL_CHAINS, EVAL_BATCH = 128, 16  # held-out sequence chains evaluated (all held-out structures are); forward batch
+EVAL_CHAINS, EVAL_BATCH = 64, 16  # held-out sequence chains evaluated (all held-out structures are); forward batch
 PROTEIN_METRICS = ("q3_accuracy", "q3_majority", "q8_accuracy", "q8_majority", "distogram_loss",
                    "distogram_loss_separation", "contact_precision_l5", "contact_precision_l5_separation")
 TASKS: dict[str, Callable[[Config, models.Model], Task]] = {

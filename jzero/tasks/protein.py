@@ -46,7 +46,7 @@ _DSSP_CODE = {**{c: i for i, c in enumerate(DSSP8)}, "L": 7, "-": 7, " ": 7, "P"
 Q3_OF_Q8 = np.array([0, 0, 0, 1, 1, 2, 2, 2], np.int8)  # H G I -> H; E B -> E; T S C -> C
 DISTOGRAM_EDGES = np.linspace(2.3125, 21.6875, 63, dtype=np.float32)  # AF2's 64 bins (Å)
 PDB_FILE = re.compile(r"[0-9][0-9A-Za-z]{3}[0-9A-Za-z]\.pdb\.gz")  # PDB id + chain id
-STRUCTURE_SHARE = 0.25  # of a batch's rows: crops of structures (distogram labels), the rest sequences (Q8)
+STRUCTURE_SHARE = 0.4  # of a batch's rows: crops of structures (distogram labels), the rest sequences (Q8)
 
 
 @dataclass(frozen=True)
