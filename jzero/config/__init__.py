@@ -1,7 +1,6 @@
-"""Config: typed, frozen configuration with DeepSpeed's key names. The schema (here; the model and
-attention sections in `model` and `attention`), its parser (`typed`), DeepSpeed's elasticity
-arithmetic (`elastic`), the `{param: default}` checker (`paramtable`), HF's "auto" (`hf`). The
-bottom layer: imports no jzero module outside it.
+"""Config: typed, frozen configuration with DeepSpeed's key names. The schema (here, `model`,
+`attention`), its parser (`typed`), DeepSpeed's elasticity arithmetic (`elastic`), the checker of
+`{param: default}` tables (`paramtable`), HF's "auto" (`hf`). The bottom layer: imports no jzero module outside it.
 
 `typed` and `elastic` import no jzero module at all, so every module can read a `Config` and raise
 `ConfigError` without pulling anything else in. `parse_config` turns a DeepSpeed ``ds_config`` dict into the

@@ -1,7 +1,6 @@
-"""Tasks: a reference model with its data. `Task` (here), token data (`text`), image data
-(`images`), protein data (`protein`; its metrics: `protein_metrics`): global batches as a pure
-function of seed, split and step, held-out metrics, a preview. Imports `jzero.config`,
-`jzero.zero`, `jzero.models` and `jzero.train`.
+"""Tasks: a reference model with its data. `Task` (here), data (`text`, `images`, `protein` and its
+`protein_metrics`): global batches as a pure function of seed, split and step, held-out metrics, a
+preview. Imports `jzero.config`, `jzero.zero`, `jzero.models` and `jzero.train`.
 
 One task per reference model (`TASKS`, keyed by ``jzero.model.name``): language modelling for
 the GPT, image classification for the ViT and the MLP, contrastive image-text training for CLIP,
