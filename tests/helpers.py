@@ -90,13 +90,20 @@ MODELS = {
 }
 
 
-def config(stage, accum):
+def config(stage, accum, batch=BATCH, dp_size=None):
     return jzero.load_config({
-        "train_batch_size": BATCH, "gradient_accumulation_steps": accum,
+        "train_batch_size": batch, "gradient_accumulation_steps": accum,
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD, "eps": EPS}},
         "gradient_clipping": 0.0,  # the plain loop does not clip (DeepSpeed's default would: 1.0)
-    })
+    }, dp_size=dp_size)
+
+
+def init_on(init_fn, loss_fn, stage, ndev, accum, batch):
+    """The jzero state of ``config(stage, accum, batch)`` on the first ``ndev`` devices."""
+    cfg = config(stage, accum, batch, dp_size=ndev)
+    return jzero.init(init_fn, cfg, loss_fn=loss_fn, rng=jax.random.key(0),
+                      mesh=jzero.make_mesh(cfg, devices=jax.devices()[:ndev]))
 
 
 @functools.cache

@@ -36,6 +36,7 @@ def test_largest_micro_batch_fits_and_the_next_does_not(shared_peaks):
     assert search.config(RAW)["train_micro_batch_size_per_gpu"] == 3
 
 
+@pytest.mark.slow  # another compile (5 rows); the default suite's budget
 def test_micro_batch_is_lowered_to_divide_the_global_batch(shared_peaks):
     budget = tune.peak_at(RAW, 4)  # 4 fits, 5 does not (peaks grow with the rows)
     search = tune.largest_micro_batch(RAW, budget)

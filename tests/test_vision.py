@@ -14,7 +14,7 @@ from jzero.config import ConfigError
 from jzero.models import clip, mlp, vit
 from jzero.train.step import eval_step
 
-from helpers import EPS, LR, WD, jzero_cli, plain_loop, read_csv
+from helpers import init_on, jzero_cli, plain_loop, read_csv
 
 STEPS, BATCH = 10, 32
 SPECS = {"vit": vit.ViTConfig(d_model=32, n_layers=2, n_heads=2, d_ff=64),
@@ -70,13 +70,7 @@ ALL = [pytest.param(*case, id="{}-zero{}-{}dev-accum{}".format(*case),
 
 @pytest.mark.parametrize("name,stage,ndev,accum", ALL)
 def test_matches_plain_optax_loop(name, stage, ndev, accum):
-    init_fn, loss_fn = MAKE[name](SPECS[name])
-    cfg = jzero.load_config({"train_batch_size": BATCH, "gradient_accumulation_steps": accum,
-                             "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
-                             "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD, "eps": EPS}},
-                             "gradient_clipping": 0.0}, dp_size=ndev)
-    state = jzero.init(init_fn, cfg, loss_fn=loss_fn, rng=jax.random.key(0),
-                       mesh=jzero.make_mesh(cfg, devices=jax.devices()[:ndev]))
+    state = init_on(*MAKE[name](SPECS[name]), stage, ndev, accum, BATCH)
     losses = []
     for batch in batches(name):
         state, metrics = jzero.train_step(state, batch)

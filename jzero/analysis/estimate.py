@@ -102,6 +102,24 @@ class Estimate:
                 "non_expert_opt_state_gib": (m.opt_state - m.expert_opt_state) / GiB}
 
 
+def fits(row: dict[str, Any], device_gb: float) -> str:
+    """Whether an estimate `Estimate.row` fits a device of ``device_gb`` GB (10^9 bytes), and where
+    blockwise attention is in use, whether the same step with naive attention would."""
+    capacity = device_gb * 1e9 / GiB
+
+    def verdict(peak: float) -> str:
+        return (f"fits with {capacity - peak:.1f} GiB to spare" if peak <= capacity
+                else f"does not fit, by {peak - capacity:.1f} GiB")
+
+    line = (f"ZeRO-{row['stage']}: peak {row['peak_gib']:.2f} GiB per device on a {device_gb:g} GB device "
+            f"({capacity:.1f} GiB): {verdict(row['peak_gib'])}")
+    saved = row.get("saved_by_blockwise_attention_gib")
+    if saved is not None:
+        naive = row["peak_gib"] + saved
+        line += f"; with naive attention, peak {naive:.2f} GiB: {verdict(naive)}"
+    return line
+
+
 class CompiledStep(NamedTuple):
     compiled: Any  # the executable
     state: TrainState  # the abstract state it was compiled for (ShapeDtypeStructs with shardings)
@@ -176,22 +194,20 @@ def long_sequence(config: Config, mem: profile.MemoryReport) -> dict[str, float]
 
 
 def _savings(config: Config) -> dict[str, dict[str, Any]]:
-    """The GPT's long-sequence features this config uses, each as the model-section change that
+    """The long-sequence features this config's model uses, each as the model-section change that
     turns it off: blockwise attention (in use from ``blockwise_from`` tokens, or under a sparse
-    layout), the tiled loss and the tiled feed-forward (each in use above one tile of tokens a
-    device)."""
-    if config.jzero.model.name != "gpt":
-        return {}
+    layout), and the GPT's tiled loss and tiled feed-forward (each in use above one tile of tokens
+    a device)."""
     spec = models.build(config).spec
     out: dict[str, dict[str, Any]] = {}
     settings = spec.attention
-    blockwise = settings.implementation == "blockwise" or spec.sparse_attention is not None or (
+    blockwise = settings.implementation == "blockwise" or getattr(spec, "sparse_attention", None) is not None or (
         settings.implementation == "auto" and spec.seq_len >= settings.blockwise_from)
     if blockwise:
         out["saved_by_blockwise_attention_gib"] = {"attention": dataclasses.replace(settings, implementation="naive")}
     tokens = config.train_micro_batch_size_per_gpu * spec.seq_len
     for key, row in (("loss_tile", "saved_by_tiled_loss_gib"), ("mlp_tile", "saved_by_tiled_mlp_gib")):
-        if getattr(spec, key) and tokens > getattr(spec, key):
+        if getattr(spec, key, 0) and tokens > getattr(spec, key):
             out[row] = {key: 0}
     return out
 

@@ -14,6 +14,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     est.add_argument("--stage", type=int, action="append", choices=[0, 1, 2, 3],
                      help="ZeRO stage(s) to estimate (repeatable; default: the config's)")
     est.add_argument("--peak-flops", type=float, help="device peak FLOP/s: prints the step time floor")
+    est.add_argument("--device-gb", type=float, default=80.0,
+                     help="device memory in GB (10^9 bytes) the peak is checked against (default 80: an H100)")
     est.add_argument("--json", action="store_true", help="print JSON instead of a table")
     est.set_defaults(func=run)
 
@@ -24,7 +26,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from jzero.analysis.estimate import estimate
+    from jzero.analysis.estimate import estimate, fits
     from jzero.train.resolve import load_config
 
     config = load_config(raw)
@@ -43,5 +45,8 @@ def run(args: argparse.Namespace) -> int:
     for key in rows[0]:
         if key != "stage":
             table.add_row(key.replace("_", " "), *(fmt(row[key]) for row in rows))
-    Console().print(table)
+    console = Console()
+    console.print(table)
+    for row in rows:
+        console.print(fits(row, args.device_gb))
     return 0

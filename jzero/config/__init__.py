@@ -1,6 +1,6 @@
-"""Config: typed, frozen configuration with DeepSpeed's key names. The schema (here), its parser
-(`typed`), DeepSpeed's elasticity arithmetic (`elastic`), the `{param: default}` checker
-(`paramtable`), HF's "auto" (`hf`). The bottom layer: imports no jzero module outside it.
+"""Config: typed, frozen configuration with DeepSpeed's key names. The schema (here, `model`,
+`attention`), its parser (`typed`), DeepSpeed's elasticity arithmetic (`elastic`), the checker of
+`{param: default}` tables (`paramtable`), HF's "auto" (`hf`). The bottom layer: imports no jzero module outside it.
 
 `typed` and `elastic` import no jzero module at all, so every module can read a `Config` and raise
 `ConfigError` without pulling anything else in. `parse_config` turns a DeepSpeed ``ds_config`` dict into the
@@ -19,13 +19,14 @@ from typing import Any, Literal
 
 from jzero.config.attention import AttentionConfig, SparseAttentionConfig
 from jzero.config.elastic import micro_batch, v01, v02
+from jzero.config.model import ModelConfig
 from jzero.config.typed import AUTO, ConfigError, ConfigWarning, auto_field, parse, read_json, to_dict, unknown
 
-__all__ = ["AUTO", "AttentionConfig", "ConfigError", "ConfigWarning", "SparseAttentionConfig",  # re-exported
-           "read_json", "unknown"]
+__all__ = ["AUTO", "AttentionConfig", "ConfigError", "ConfigWarning", "ModelConfig",  # re-exported
+           "SparseAttentionConfig", "read_json", "unknown"]
 
 
-# ---- Sections (AttentionConfig and SparseAttentionConfig live in `attention`) ----------------
+# ---- Sections (the model's live in `model`, the attention ones in `attention`) --------------
 @dataclass(frozen=True)
 class OffloadConfig:
     device: Literal["none", "cpu", "nvme"] = "none"
@@ -176,34 +177,6 @@ class MoEConfig:
     top2_2nd_expert_sampling: bool = True
     aux_loss_coef: float = 0.01
     expert_interval: int = 1
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """Reference model for the CLI. ``size`` picks a preset; other keys override it (each model
-    takes the keys its preset has)."""
-
-    name: str = "gpt"  # a key of jzero.models.MODELS
-    size: str = "tiny"
-    vocab_size: int | None = None
-    seq_len: int | None = None
-    d_model: int | None = None
-    n_layers: int | None = None
-    n_heads: int | None = None
-    d_ff: int | None = None
-    positions: Literal["learned", "rotary"] | None = None
-    tie_embeddings: bool | None = None
-    image_size: int | None = None  # vit, clip: square images of this many pixels a side
-    patch_size: int | None = None
-    channels: int | None = None
-    num_classes: int | None = None  # vit, mlp
-    pool: Literal["cls", "mean"] | None = None
-    embed_dim: int | None = None  # clip: the shared image-text embedding
-    text_len: int | None = None  # clip: caption length in bytes
-    text_layers: int | None = None
-    attention: AttentionConfig | None = None  # gpt, vit, clip
-    loss_tile: int | None = None  # gpt: tokens per tile of the loss, 0 = whole logits
-    mlp_tile: int | None = None  # gpt: tokens per tile of each feed-forward, 0 = untiled
 
 
 @dataclass(frozen=True)

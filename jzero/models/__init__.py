@@ -1,4 +1,4 @@
-"""Models: the reference models (`gpt`, `vit`, `clip`, `mlp` on `base`) and what any model is
+"""Models: the reference models (`gpt`, `vit`, `clip`, `mlp`, `evoformer` on `base`) and what any model is
 built with: `scan_layers` (`layers`), the MoE layer and its gates, `from_linen` / `from_nnx`
 (`adapters`). Imports `jzero.config` and `jzero.zero`.
 
@@ -11,11 +11,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from jzero.config import Config, ConfigError, unknown
-from jzero.models import attention, clip, gpt, mlp, vit
+from jzero.models import attention, clip, evoformer, gpt, mlp, vit
 from jzero.models.base import Model
 
 MODELS: dict[str, Callable[[Config], Model]] = {"gpt": gpt.build, "vit": vit.build, "clip": clip.build,
-                                              "mlp": mlp.build}
+                                              "mlp": mlp.build, "evoformer": evoformer.build}
 
 
 def build(config: Config) -> Model:

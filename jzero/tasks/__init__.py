@@ -1,10 +1,10 @@
-"""Tasks: a reference model with its data. `Task` (here), token data (`text`), image data
-(`images`): global batches as a pure function of seed, split and step, held-out metrics, a
+"""Tasks: a reference model with its data. `Task` (here), data (`text`, `images`, `protein` and its
+`protein_metrics`): global batches as a pure function of seed, split and step, held-out metrics, a
 preview. Imports `jzero.config`, `jzero.zero`, `jzero.models` and `jzero.train`.
 
 One task per reference model (`TASKS`, keyed by ``jzero.model.name``): language modelling for
-the GPT, image classification for the ViT and the MLP, contrastive image-text training for CLIP. The
-engine and the CLI see only `Task`.
+the GPT, image classification for the ViT and the MLP, contrastive image-text training for CLIP,
+secondary structure and distograms for the Evoformer. The engine and the CLI see only `Task`.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 from jzero import models
 from jzero.config import Config, ConfigError
 from jzero.models import clip, gpt
-from jzero.tasks import images, text
+from jzero.tasks import images, protein, protein_metrics, text
 from jzero.train.state import TrainState, device_params
 
 SAMPLE_PROMPT = b"def "
@@ -148,5 +148,50 @@ def contrastive(config: Config, model: models.Model) -> Task:
                 ("zeroshot_accuracy", "i2t_recall1", "t2i_recall1"))
 
 
+def structure(config: Config, model: models.Model) -> Task:
+    """The Evoformer on proteins (`protein`): Q8 secondary structure and the distogram, held-out
+    metrics (`protein_metrics`) next to their baselines from the training chains."""
+    cfg, data = model.spec, protein.load(config.jzero.data)
+    held = {kind: [w for chain in chains[:EVAL_CHAINS] for w in protein.windows(chain, cfg.crop)]
+            for kind, chains in (("sequences", data.sequences["heldout"]), ("structures", data.structures["heldout"]))}
+    arrays = {kind: protein.stack(crops) for kind, crops in held.items()}
+    baselines = {**protein_metrics.majority(data.sequences["train"], arrays["sequences"]["ss8"]),
+                 **protein_metrics.separation_baseline(
+                     protein_metrics.separation_table(data.structures["train"], cfg.crop),
+                     arrays["structures"]["distogram"])}
+
+    def predict(state: TrainState, batch: dict) -> tuple[np.ndarray, np.ndarray]:
+        params, n = device_params(state), len(batch["residues"])
+        outs = []
+        for i in range(0, n, EVAL_BATCH):
+            rows = {k: np.resize(v[i:i + EVAL_BATCH], (EVAL_BATCH, *v.shape[1:])) for k, v in batch.items()}
+            outs.append(jax.device_get(model.forward(params, (rows["residues"], rows["mask"]))))
+        return tuple(np.concatenate([o[k] for o in outs])[:n] for k in (0, 1))
+
+    def evaluate(state: TrainState) -> dict[str, float]:
+        ss, _ = predict(state, arrays["sequences"])
+        _, dist = predict(state, arrays["structures"])
+        return {**protein_metrics.secondary_structure(ss, arrays["sequences"]["ss8"]),
+                **protein_metrics.distogram(dist, arrays["structures"]["distogram"]), **baselines}
+
+    def preview(state: TrainState) -> str:
+        first = {k: v[:1] for k, v in arrays["sequences"].items()}
+        ss, n = predict(state, first)[0][0], int(first["mask"].sum())
+        q3 = (np.exp(ss - ss.max(-1, keepdims=True)) @ np.eye(3)[protein.Q3_OF_Q8]).argmax(-1)
+        return (f"sequence  {''.join((protein.RESIDUES + 'X')[r] for r in first['residues'][0, :n])}\n"
+                f"true      {''.join('HEC'[protein.Q3_OF_Q8[s]] for s in first['ss8'][0, :n])}\n"
+                f"predicted {''.join('HEC'[c] for c in q3[:n])}")
+
+    def batch(split: str, step: int, size: int, sharding: NamedSharding) -> dict:
+        return protein.global_batch(data, config.seed, split, step, size, cfg.crop, sharding)
+
+    return Task(model, protein.describe(data), batch, evaluate, preview,
+                f"held-out secondary structure (H helix, E strand, C coil; {data.sequences['heldout'][0].name})",
+                PROTEIN_METRICS)
+
+
+EVAL_CHAINS, EVAL_BATCH = 64, 16  # held-out sequence chains evaluated (all held-out structures are); forward batch
+PROTEIN_METRICS = ("q3_accuracy", "q3_majority", "q8_accuracy", "q8_majority", "distogram_loss",
+                   "distogram_loss_separation", "contact_precision_l5", "contact_precision_l5_separation")
 TASKS: dict[str, Callable[[Config, models.Model], Task]] = {
-    "gpt": language, "vit": classification, "mlp": classification, "clip": contrastive}
+    "gpt": language, "vit": classification, "mlp": classification, "clip": contrastive, "evoformer": structure}

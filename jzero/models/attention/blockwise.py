@@ -29,7 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-CHUNK_ELEMENTS = 512 * 512  # scores per chunk per (batch, head): block pairs per scan step = this / (bq x bk)
+CHUNK_ELEMENTS = 512 * 512  # scores a scan step computes per (batch, head) at most ...
+STEP_ELEMENTS = 1 << 22  # ... and in all (batch x heads x pairs x bq x bk), at least one pair
 _PAIRS_PER_STEP: contextvars.ContextVar[int | None] = contextvars.ContextVar("jzero_pairs_per_step", default=None)
 
 
@@ -82,8 +83,11 @@ def block_pairs(layout: np.ndarray, t: int, s: int, bq: int, bk: int, causal: bo
     return np.argwhere(lay).astype(np.int32)
 
 
-def _pairs(found: np.ndarray, nq: int, nk: int, bq: int, bk: int) -> Pairs:
-    most = _PAIRS_PER_STEP.get() or max(1, CHUNK_ELEMENTS // (bq * bk))
+def _pairs(found: np.ndarray, nq: int, nk: int, bq: int, bk: int, rows: int) -> Pairs:
+    """``found`` in scan steps of as many pairs as `CHUNK_ELEMENTS` and `STEP_ELEMENTS` allow for
+    ``rows`` (batch x heads) score rows per pair: an Evoformer's triangle attention has a batch of
+    L rows, whose scores a per-(batch, head) bound alone would let grow to the naive L^3."""
+    most = _PAIRS_PER_STEP.get() or max(1, min(CHUNK_ELEMENTS, STEP_ELEMENTS // rows) // (bq * bk))
     steps = -(-max(1, len(found)) // most)
     chunk = -(-max(1, len(found)) // steps)  # as even as the steps allow: under one pair of padding a step
     pad = steps * chunk - len(found)
@@ -94,9 +98,10 @@ def _pairs(found: np.ndarray, nq: int, nk: int, bq: int, bk: int) -> Pairs:
     return Pairs(*(f.reshape(steps, chunk) for f in fields))
 
 
-def geometry(t: int, s: int, d: int, bq: int, bk: int, causal: bool, layout: np.ndarray | None) -> Geometry:
+def geometry(t: int, s: int, d: int, bq: int, bk: int, causal: bool, layout: np.ndarray | None,
+             rows: int = 1) -> Geometry:
     """The `Geometry` of a call: blocks clipped to the lengths; ``layout`` (blocks of bq x bk;
-    None: dense) decides the pairs."""
+    None: dense) decides the pairs; ``rows`` (batch x heads) how many fit one scan step."""
     bq, bk = min(bq, t), min(bk, s)
     nq, nk = -(-t // bq), -(-s // bk)
     layout = np.ones((1, nq, nk), np.int8) if layout is None else np.asarray(layout)
@@ -104,7 +109,7 @@ def geometry(t: int, s: int, d: int, bq: int, bk: int, causal: bool, layout: np.
         raise ValueError(f"attention layout: {layout.shape[1:]} blocks, the lengths need ({nq}, {nk})")
     found = block_pairs(layout, t, s, bq, bk, causal)
     return Geometry(t, s, bq, bk, nq, nk, layout.shape[0], causal, 1.0 / float(np.sqrt(d)),
-                    _pairs(found, nq, nk, bq, bk))
+                    _pairs(found, nq, nk, bq, bk, rows))
 
 
 # ---- layouts in and out ---------------------------------------------------------------------
@@ -338,7 +343,8 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Arra
     """Attention of ``q`` ``[b, T, h, d]`` over ``k`` / ``v`` ``[b, S, kv, d]``; ``bias`` / ``mask``
     already ``[B, H, T', S']`` with each dim full or 1 (`jzero.models.attention` normalizes them);
     ``layout`` ``[1 or h, nq, nk]`` blocks of ``block_q x block_k`` (None: dense)."""
-    g = geometry(q.shape[1], k.shape[1], q.shape[-1], block_q, block_k, causal, layout)
+    g = geometry(q.shape[1], k.shape[1], q.shape[-1], block_q, block_k, causal, layout,
+                 q.shape[0] * q.shape[2])
     st = _Static(g, k.shape[2], q.shape[2], None if bias is None else bias.shape,
                  None if mask is None else mask.shape)
     return _attend(st, q, k, v, bias, mask)
