@@ -177,7 +177,7 @@ def structure(config: Config, model: models.Model) -> Task:
     def preview(state: TrainState) -> str:
         first = {k: v[:1] for k, v in arrays["sequences"].items()}
         ss, n = predict(state, first)[0][0], int(first["mask"].sum())
-        q3 = (np.exp(ss - ss.max(-1, keepdims=True)) @ np.eye(3)[protein.Q3_OF_Q8]).argmax(-1)
+        q3 = protein_metrics.q3_classes(ss)
         return (f"sequence  {''.join((protein.RESIDUES + 'X')[r] for r in first['residues'][0, :n])}\n"
                 f"true      {''.join('HEC'[protein.Q3_OF_Q8[s]] for s in first['ss8'][0, :n])}\n"
                 f"predicted {''.join('HEC'[c] for c in q3[:n])}")

@@ -30,12 +30,15 @@ def _log_softmax(logits: np.ndarray) -> np.ndarray:
     return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
 
 
+def q3_classes(ss_logits: np.ndarray) -> np.ndarray:
+    """H / E / C (0 / 1 / 2) of Q8 logits: the argmax of the Q8 probabilities summed into three."""
+    return (_softmax(ss_logits) @ np.eye(3)[protein.Q3_OF_Q8]).argmax(-1)
+
+
 def secondary_structure(ss_logits: np.ndarray, ss8: np.ndarray) -> dict[str, float]:
-    """Q8 and Q3 accuracy over labelled residues (Q3: the argmax of the Q8 probabilities summed
-    into H / E / C)."""
+    """Q8 and Q3 accuracy over labelled residues (Q3: `q3_classes`)."""
     valid = ss8 >= 0
-    q8 = ss_logits.argmax(-1)
-    q3 = (_softmax(ss_logits) @ np.eye(3)[protein.Q3_OF_Q8]).argmax(-1)
+    q8, q3 = ss_logits.argmax(-1), q3_classes(ss_logits)
     return {"q8_accuracy": float(np.mean(q8[valid] == ss8[valid])),
             "q3_accuracy": float(np.mean(q3[valid] == protein.Q3_OF_Q8[ss8[valid]]))}
 
