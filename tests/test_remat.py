@@ -11,7 +11,7 @@ import jzero
 from jzero.analysis import profile
 from jzero.models import gpt
 from jzero.models.layers import run_stack
-from jzero.zero import remat
+from jzero.zero import dots, remat
 
 
 @functools.cache
@@ -89,13 +89,14 @@ def _dense_layer(w, h, _):
     return jnp.tanh(h @ w)
 
 
-def test_weight_gradient_dots_stay_unfolded_on_cpu():
+def test_weight_gradient_dots_stay_unfolded_on_cpu_from_min_rows():
     """Stages 0-1 have no hooks, so `run_stack` itself passes each layer's 2-D weight gradients
-    through `dots.unfold`: the compiled weight-gradient dot keeps JAX's ``ct x input`` form
-    (``[out, in]``, then a transpose) instead of XLA:CPU's folded ``input x ct`` (which runs on
-    Eigen instead of YNNPACK); the same gradients. Negative control: the plain scan's is folded."""
+    through `dots.unfold` where the dots contract `dots.MIN_ROWS` rows or more: the compiled
+    weight-gradient dot keeps JAX's ``ct x input`` form (``[out, in]``, then a transpose) instead
+    of XLA:CPU's folded ``input x ct`` (which runs on Eigen instead of YNNPACK); the same
+    gradients. Negative controls: the plain scan's is folded, and so is run_stack's below
+    `dots.MIN_ROWS` rows (where the unfold's transpose copy costs more than it saves)."""
     ws = jax.random.normal(jax.random.key(0), (3, 64, 64)) / 8
-    x = jax.random.normal(jax.random.key(1), (32, 64))
 
     def plain(ws, x):
         return jax.lax.scan(lambda h, w: (_dense_layer(w, h, None), None), x, ws)[0]
@@ -103,12 +104,16 @@ def test_weight_gradient_dots_stay_unfolded_on_cpu():
     def stacked(ws, x):
         return run_stack(_dense_layer, x, ws, jnp.zeros(3), "none")
 
-    grads, input_first = {}, {}
-    for name, stack in (("plain", plain), ("run_stack", stacked)):
-        fn = jax.jit(jax.grad(lambda ws, x, stack=stack: jnp.sum(stack(ws, x) ** 2)))
-        grads[name] = fn(ws, x)
-        text = fn.lower(ws, x).compile().as_text()
-        (dot,) = [ln for ln in text.splitlines() if "= f32[64,64]" in ln and " dot(" in ln]
-        input_first[name] = dot.split(" dot(")[1].startswith("%dynamic-slice")  # the layer's input, sliced
-    np.testing.assert_allclose(np.asarray(grads["run_stack"]), np.asarray(grads["plain"]), rtol=1e-6)
-    assert input_first == {"plain": True, "run_stack": False}, input_first
+    input_first = {}
+    for rows in (dots.MIN_ROWS, dots.MIN_ROWS // 4):
+        x = jax.random.normal(jax.random.key(1), (rows, 64))
+        grads = {}
+        for name, stack in (("plain", plain), ("run_stack", stacked)):
+            fn = jax.jit(jax.grad(lambda ws, x, stack=stack: jnp.sum(stack(ws, x) ** 2)))
+            grads[name] = fn(ws, x)
+            text = fn.lower(ws, x).compile().as_text()
+            (dot,) = [ln for ln in text.splitlines() if "= f32[64,64]" in ln and " dot(" in ln]
+            input_first[name, rows] = dot.split(" dot(")[1].startswith("%dynamic-slice")  # the layer's input
+        np.testing.assert_allclose(np.asarray(grads["run_stack"]), np.asarray(grads["plain"]), rtol=1e-6)
+    assert input_first == {("plain", 1024): True, ("run_stack", 1024): False,
+                           ("plain", 256): True, ("run_stack", 256): True}, input_first

@@ -54,7 +54,7 @@ def run_stack(apply_layer: Callable[[Any, Any, Any], Any], x: Any, stacked: Any,
     ctx = hooks.current()
     if ctx is not None:
         return hooks.scan(ctx, apply_layer, policy, x, stacked, extra)
-    if dots.applies(jax.default_backend()):
+    if dots.applies(jax.default_backend()) and dots.pays_for(x):
         apply_layer = _unfolding(apply_layer)
 
     def body(carry, xs):
