@@ -67,11 +67,14 @@ def test_crops_pad_with_a_mask_and_no_labels(data):
 
 
 def test_batches_are_a_function_of_seed_split_and_step(data):
+    prior = protein.separation_prior(data.structures["train"], 32)
+
     def rows(seed, split, step):
-        return protein.stack(protein.batch_crops(data, seed, split, step, 32, range(16)))
+        return protein.stack(protein.batch_crops(data, seed, split, step, 32, range(16)), prior)
 
     a, b = rows(0, "train", 3), rows(0, "train", 3)
     assert all(np.array_equal(a[k], b[k]) for k in a)
+    assert a["separation_prior"].shape == (16, 32, 64) and (a["separation_prior"] == prior).all()
     assert not np.array_equal(a["residues"], rows(0, "train", 4)["residues"])
     assert not np.array_equal(a["residues"], rows(1, "train", 3)["residues"])
     structures = (a["distogram"] >= 0).any((1, 2))
@@ -116,7 +119,7 @@ def test_separation_baseline_reads_the_training_pairs():
     coords = np.zeros((6, 3), np.float32)
     coords[:, 0] = np.arange(6) * 3.8  # a straight chain: separation s is 3.8 s Å
     chain = protein.Chain("s", "S", np.zeros(6, np.int8), coords=coords, has_coords=np.ones(6, bool))
-    table = protein_metrics.separation_table([chain], 6)
+    table = protein.separation_prior([chain], 6)
     assert table.shape == (6, 64) and np.allclose(np.exp(table).sum(1), 1)
     for sep in range(1, 6):
         assert table[sep].argmax() == np.searchsorted(protein.DISTOGRAM_EDGES, 3.8 * sep)

@@ -195,15 +195,20 @@ class EvoformerBlock(nn.Module):
 
 
 class Evoformer(nn.Module):
-    """``(residues [b, L] int, mask [b, L])`` -> (secondary-structure logits ``[b, L, 8]``,
-    distogram logits ``[b, L, L, 64]``), fp32. The MSA is the sequence itself, ``n_seq`` times.
-    One-hot inputs enter as embeddings (a Dense layer on a one-hot, in the params' dtype)."""
+    """``(residues [b, L] int, mask [b, L], separation_prior [b, L, 64])`` -> (secondary-structure
+    logits ``[b, L, 8]``, distogram logits ``[b, L, L, 64]``), fp32. The MSA is the sequence
+    itself, ``n_seq`` times. One-hot inputs enter as embeddings (a Dense layer on a one-hot, in
+    the params' dtype). ``separation_prior[:, s]``: log-probabilities of the distogram bins at
+    separation ``|i - j| = s`` (the task's, from its training structures; zeros: none), added to
+    the distogram head's logits: the network learns how a pair departs from its separation's
+    distribution, which a zero-initialized head cannot learn in a few hundred Adam steps
+    (docs/design.md, "Evoformer and proteins")."""
 
     cfg: EvoformerConfig
 
     @nn.compact
     def __call__(self, inputs):
-        residues, mask = inputs
+        residues, mask, prior = inputs
         c = self.cfg
         with jax.named_scope("embedding"):
             z = nn.Embed(RESIDUE_CLASSES, c.c_z, name="left")(residues)[:, :, None]
@@ -217,10 +222,11 @@ class Evoformer(nn.Module):
             carry = (m, z, jnp.broadcast_to(mask[:, None], m.shape[:3]), mask[:, :, None] * mask[:, None])
         m, z, _, _ = scan_layers(EvoformerBlock(c), c.n_layers, remat_policy=c.remat, name="blocks")(carry)
         with jax.named_scope("head"):
-            zeros = nn.initializers.zeros  # both heads start at the uniform prediction (log 8, log 64)
+            zeros = nn.initializers.zeros  # the heads start at the uniform Q8 prediction and the prior
             ss = nn.Dense(SS_CLASSES, kernel_init=zeros, name="ss")(
                 nn.LayerNorm(use_fast_variance=False, name="ln_m")(m[:, 0]))
             dist = nn.Dense(DISTOGRAM_BINS, kernel_init=zeros, name="distogram")(z + z.swapaxes(1, 2))
+            dist = dist + prior[:, jnp.abs(pos[:, None] - pos[None])].astype(dist.dtype)
         return ss.astype(jnp.float32), dist.astype(jnp.float32)
 
 
@@ -252,9 +258,11 @@ def evoformer_config(config: Config) -> EvoformerConfig:
 
 
 def batch_spec(cfg: EvoformerConfig, batch_size: int) -> dict[str, jax.ShapeDtypeStruct]:
-    """Batches: residue classes, the mask (1: a residue), Q8 labels and distogram bins (-1: none)."""
+    """Batches: residue classes, the mask (1: a residue), the separation prior (`Evoformer`), Q8
+    labels and distogram bins (-1: none)."""
     row, pair = (batch_size, cfg.crop), (batch_size, cfg.crop, cfg.crop)
     return {"residues": jax.ShapeDtypeStruct(row, jnp.int32), "mask": jax.ShapeDtypeStruct(row, jnp.float32),
+            "separation_prior": jax.ShapeDtypeStruct((*row, DISTOGRAM_BINS), jnp.float32),
             "ss8": jax.ShapeDtypeStruct(row, jnp.int32), "distogram": jax.ShapeDtypeStruct(pair, jnp.int32)}
 
 
@@ -262,6 +270,7 @@ def example_batch(cfg: EvoformerConfig, batch_size: int) -> dict[str, np.ndarray
     rng = np.random.default_rng(0)
     row, pair = (batch_size, cfg.crop), (batch_size, cfg.crop, cfg.crop)
     return {"residues": rng.integers(0, RESIDUE_CLASSES, row).astype(np.int32), "mask": np.ones(row, np.float32),
+            "separation_prior": np.zeros((*row, DISTOGRAM_BINS), np.float32),
             "ss8": rng.integers(0, SS_CLASSES, row).astype(np.int32),
             "distogram": rng.integers(0, DISTOGRAM_BINS, pair).astype(np.int32)}
 
@@ -287,8 +296,12 @@ def model_flops(cfg: EvoformerConfig, batch_size: int) -> dict[str, float]:
 def make(cfg: EvoformerConfig) -> tuple[Any, Any]:
     """(init_fn, loss_fn) for jzero.init on batches of `batch_spec`."""
     spec = batch_spec(cfg, 1)
-    return from_linen(Evoformer(cfg), (spec["residues"], spec["mask"]), loss,
-                      inputs=lambda batch: (batch["residues"], batch["mask"]))
+    return from_linen(Evoformer(cfg), inputs(spec), loss, inputs=inputs)
+
+
+def inputs(batch: dict) -> tuple[Any, Any, Any]:
+    """The model's inputs of a batch (`batch_spec`)."""
+    return batch["residues"], batch["mask"], batch["separation_prior"]
 
 
 def build(config: Config) -> Model:

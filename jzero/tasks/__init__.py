@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding
 
 from jzero import models
 from jzero.config import Config, ConfigError
-from jzero.models import clip, gpt
+from jzero.models import clip, evoformer, gpt
 from jzero.tasks import images, protein, protein_metrics, text
 from jzero.train.state import TrainState, device_params
 
@@ -154,18 +154,17 @@ def structure(config: Config, model: models.Model) -> Task:
     cfg, data = model.spec, protein.load(config.jzero.data)
     held = {kind: [w for chain in chains[:EVAL_CHAINS] for w in protein.windows(chain, cfg.crop)]
             for kind, chains in (("sequences", data.sequences["heldout"]), ("structures", data.structures["heldout"]))}
-    arrays = {kind: protein.stack(crops) for kind, crops in held.items()}
+    prior = protein.separation_prior(data.structures["train"], cfg.crop)
+    arrays = {kind: protein.stack(crops, prior) for kind, crops in held.items()}
     baselines = {**protein_metrics.majority(data.sequences["train"], arrays["sequences"]["ss8"]),
-                 **protein_metrics.separation_baseline(
-                     protein_metrics.separation_table(data.structures["train"], cfg.crop),
-                     arrays["structures"]["distogram"])}
+                 **protein_metrics.separation_baseline(prior, arrays["structures"]["distogram"])}
 
     def predict(state: TrainState, batch: dict) -> tuple[np.ndarray, np.ndarray]:
         params, n = device_params(state), len(batch["residues"])
         outs = []
         for i in range(0, n, EVAL_BATCH):
             rows = {k: np.resize(v[i:i + EVAL_BATCH], (EVAL_BATCH, *v.shape[1:])) for k, v in batch.items()}
-            outs.append(jax.device_get(model.forward(params, (rows["residues"], rows["mask"]))))
+            outs.append(jax.device_get(model.forward(params, evoformer.inputs(rows))))
         return tuple(np.concatenate([o[k] for o in outs])[:n] for k in (0, 1))
 
     def evaluate(state: TrainState) -> dict[str, float]:
@@ -183,7 +182,7 @@ def structure(config: Config, model: models.Model) -> Task:
                 f"predicted {''.join('HEC'[c] for c in q3[:n])}")
 
     def batch(split: str, step: int, size: int, sharding: NamedSharding) -> dict:
-        return protein.global_batch(data, config.seed, split, step, size, cfg.crop, sharding)
+        return protein.global_batch(data, config.seed, split, step, size, cfg.crop, prior, sharding)
 
     return Task(model, protein.describe(data), batch, evaluate, preview,
                 f"held-out secondary structure (H helix, E strand, C coil; {data.sequences['heldout'][0].name})",

@@ -24,6 +24,7 @@ import importlib.util
 import json
 import re
 import zlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -256,20 +257,36 @@ def batch_crops(data: Proteins, seed: int, split: str, step: int, length: int, r
     return out
 
 
-def stack(crops: list[Crop]) -> dict[str, np.ndarray]:
-    """Crops as the model's batch arrays (`jzero.models.evoformer.batch_spec`)."""
+def separation_prior(train: Iterable[Chain], length: int) -> np.ndarray:
+    """``[length, 64]`` log-probabilities of each distogram bin given the separation ``|i - j|``
+    alone, counted over the training structures' pairs (add-one smoothed): the model's prior
+    (`jzero.models.evoformer.Evoformer`) and the baseline its held-out distogram stands next to."""
+    counts = np.ones((length, DISTOGRAM_EDGES.size + 1))
+    for chain in train:
+        bins = distogram_bins(chain.coords)
+        has = chain.has_coords[:, None] & chain.has_coords[None]
+        for sep in range(1, min(length, len(bins))):
+            d = np.diagonal(bins, sep)[np.diagonal(has, sep)]
+            counts[sep] += np.bincount(d, minlength=counts.shape[1])
+    return np.log(counts / counts.sum(-1, keepdims=True)).astype(np.float32)
+
+
+def stack(crops: list[Crop], prior: np.ndarray) -> dict[str, np.ndarray]:
+    """Crops as the model's batch arrays (`jzero.models.evoformer.batch_spec`), each row with
+    the separation prior ``prior`` (`separation_prior`)."""
     return {"residues": np.stack([c.residues for c in crops]).astype(np.int32),
             "mask": np.stack([c.mask for c in crops]).astype(np.float32),
+            "separation_prior": np.repeat(prior[None], len(crops), 0),
             "ss8": np.stack([c.ss8 for c in crops]).astype(np.int32),
             "distogram": np.stack([c.distogram for c in crops]).astype(np.int32)}
 
 
 def global_batch(data: Proteins, seed: int, split: str, step: int, batch_size: int, length: int,
-                 sharding: NamedSharding) -> dict:
+                 prior: np.ndarray, sharding: NamedSharding) -> dict:
     """The global batch as sharded arrays (this process builds only its rows)."""
     per = batch_size // jax.process_count()
     rows = range(jax.process_index() * per, (jax.process_index() + 1) * per)
-    local = stack(batch_crops(data, seed, split, step, length, rows))
+    local = stack(batch_crops(data, seed, split, step, length, rows), prior)
     return {k: jax.make_array_from_process_local_data(sharding, v, (batch_size, *v.shape[1:]))
             for k, v in local.items()}
 

@@ -78,21 +78,9 @@ def _contact_precision(contact: np.ndarray, labels: np.ndarray) -> float:
     return float(np.mean(scores)) if scores else float("nan")
 
 
-def separation_table(train: Iterable[protein.Chain], length: int) -> np.ndarray:
-    """``[length, 64]`` log-probabilities of each distogram bin given the separation ``|i - j|``
-    alone, counted over the training structures' pairs (add-one smoothed)."""
-    counts = np.ones((length, protein.DISTOGRAM_EDGES.size + 1))
-    for chain in train:
-        bins = protein.distogram_bins(chain.coords)
-        has = chain.has_coords[:, None] & chain.has_coords[None]
-        for sep in range(1, min(length, len(bins))):
-            d = np.diagonal(bins, sep)[np.diagonal(has, sep)]
-            counts[sep] += np.bincount(d, minlength=counts.shape[1])
-    return np.log(counts / counts.sum(-1, keepdims=True))
-
-
 def separation_baseline(table: np.ndarray, labels: np.ndarray) -> dict[str, float]:
-    """`distogram` of the separation-only prediction on crops ``labels`` ``[n, L, L]``."""
+    """`distogram` of the separation-only prediction ``table`` (`protein.separation_prior`) on
+    crops ``labels`` ``[n, L, L]``."""
     length = labels.shape[-1]
     sep = np.abs(np.arange(length)[:, None] - np.arange(length)[None])
     logp = np.broadcast_to(table[sep], (*labels.shape, table.shape[-1]))
