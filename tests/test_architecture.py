@@ -15,7 +15,7 @@ MAX_MODULE_LINES, MAX_FUNCTION_LINES = 450, 60
 
 # Bottom to top: a module may import its own layer and the layers before it. The facade
 # (`jzero` itself, whose names load lazily from every layer) is for users and the CLI alone.
-LAYERS = ("config", "zero", "models", "train", "tasks", "analysis", "runtime", "cli")
+LAYERS = ("config", "zero", "models", "train", "inference", "tasks", "analysis", "runtime", "cli")
 FACADE = "jzero"
 
 # Every name the public face has offered since 0.1 (a new one is added here, none removed).

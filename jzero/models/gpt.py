@@ -27,7 +27,6 @@ from jzero.models.adapters import from_linen
 from jzero.models.base import Model, from_section
 from jzero.models.layers import scan_layers
 from jzero.models.moe import MoE, MoESpec, MoEStats, spec_from_config
-from jzero.zero import phase
 
 
 @dataclass(frozen=True)
@@ -270,30 +269,3 @@ def _loss(cfg: GPTConfig, out: Any, batch: dict) -> Any:
     ce = ce_of(out)
     mean = [v / cfg.moe_layers for v in stats]
     return ce + cfg.aux_loss_coef * stats.aux_loss, dict(zip(MOE_METRICS, (ce, *mean), strict=True))
-
-
-def generate(cfg: GPTConfig, params: Any, prompt: jax.Array, num_tokens: int, rng: jax.Array,
-             temperature: float = 0.8) -> jax.Array:
-    """Sample ``num_tokens`` after ``prompt`` (1-D int32, shorter than seq_len); a sliding
-    window of ``seq_len`` tokens once the context is full. Returns the new tokens."""
-    return _generate(cfg, params, prompt, rng, jnp.float32(temperature), num_tokens)
-
-
-@functools.partial(jax.jit, static_argnums=(0, 5))
-def _generate(cfg, params, prompt, rng, temperature, num_tokens):
-    model = GPT(cfg)
-    window = jnp.zeros((1, cfg.seq_len), jnp.int32).at[0, : prompt.shape[0]].set(prompt)
-
-    def body(i, carry):
-        window, length, out = carry
-        with phase.evaluating():
-            logits = model.apply({"params": params}, window)
-        logits = (logits if cfg.moe is None else logits[0])[0, length - 1]
-        token = jax.random.categorical(jax.random.fold_in(rng, i), logits / temperature).astype(jnp.int32)
-        full = length == cfg.seq_len
-        window = jnp.where(full, jnp.roll(window, -1, axis=1).at[0, -1].set(token),
-                           window.at[0, jnp.minimum(length, cfg.seq_len - 1)].set(token))
-        return window, jnp.minimum(length + 1, cfg.seq_len), out.at[i].set(token)
-
-    init = (window, jnp.int32(prompt.shape[0]), jnp.zeros((num_tokens,), jnp.int32))
-    return jax.lax.fori_loop(0, num_tokens, body, init)[2]

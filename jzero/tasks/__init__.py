@@ -1,6 +1,6 @@
 """Tasks: a reference model with its data. `Task` (here), data (`text`, `images`, `protein` and its
 `protein_metrics`): global batches as a pure function of seed, split and step, held-out metrics, a
-preview. Imports `jzero.config`, `jzero.zero`, `jzero.models` and `jzero.train`.
+preview. Imports config, zero, models, train and inference.
 
 One task per reference model (`TASKS`, keyed by ``jzero.model.name``): language modelling for
 the GPT, image classification for the ViT and the MLP, contrastive image-text training for CLIP,
@@ -19,7 +19,8 @@ from jax.sharding import NamedSharding
 
 from jzero import models
 from jzero.config import Config, ConfigError
-from jzero.models import clip, evoformer, gpt
+from jzero.inference import uncached
+from jzero.models import clip, evoformer
 from jzero.tasks import images, protein, protein_metrics, text
 from jzero.train.state import TrainState, device_params
 
@@ -62,7 +63,7 @@ def language(config: Config, model: models.Model) -> Task:
 
     def preview(state: TrainState) -> str:
         prompt = jnp.asarray(np.frombuffer(SAMPLE_PROMPT, np.uint8).astype(np.int32))
-        tokens = gpt.generate(cfg, device_params(state), prompt, SAMPLE_TOKENS, jax.random.key(config.seed))
+        tokens = uncached.generate(cfg, device_params(state), prompt, SAMPLE_TOKENS, jax.random.key(config.seed))
         if corpus.vocab_size != 256:
             return " ".join(map(str, jax.device_get(tokens).tolist()))
         return (SAMPLE_PROMPT + bytes(np.asarray(tokens, np.uint8))).decode("utf-8", errors="replace")
