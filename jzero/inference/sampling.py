@@ -40,8 +40,11 @@ def _scaled(logits: jax.Array, temperature: jax.Array) -> jax.Array:
 def kept(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     """``[b, V]`` bool: the tokens each row may draw after top-k and top-p (``temperature``,
     ``top_k``, ``top_p``: ``[b]``)."""
-    vocab = logits.shape[-1]
-    scaled = _scaled(logits, temperature)
+    return _kept(_scaled(logits, temperature), top_k, top_p)
+
+
+def _kept(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    vocab = scaled.shape[-1]
     order = jnp.argsort(-scaled, axis=-1, stable=True)
     ranked = jnp.take_along_axis(scaled, order, axis=-1)
     in_k = jnp.arange(vocab)[None] < jnp.where(top_k > 0, top_k, vocab)[:, None]
@@ -55,7 +58,8 @@ def sample(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: ja
            top_p: jax.Array) -> jax.Array:
     """``[b]`` int32 tokens from ``logits`` ``[b, V]``, row ``i`` drawn with ``keys[i]`` and its
     own settings (each ``[b]``); rows at temperature 0 take the argmax."""
-    masked = jnp.where(kept(logits, temperature, top_k, top_p), _scaled(logits, temperature), -jnp.inf)
+    scaled = _scaled(logits, temperature)
+    masked = jnp.where(_kept(scaled, top_k, top_p), scaled, -jnp.inf)
     drawn = jax.vmap(jax.random.categorical)(keys, masked)
     return jnp.where(temperature > 0, drawn, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
 

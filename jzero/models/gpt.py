@@ -22,9 +22,10 @@ import optax
 from jax.ad_checkpoint import checkpoint_name
 
 from jzero.config import AttentionConfig, Config, ConfigError, ModelConfig, SparseAttentionConfig
-from jzero.models import attention, tiles
+from jzero.models import attention, kvcache, tiles
 from jzero.models.adapters import from_linen
 from jzero.models.base import Model, from_section
+from jzero.models.kvcache import Decoder, KVCache
 from jzero.models.layers import scan_layers
 from jzero.models.moe import MoE, MoESpec, MoEStats, spec_from_config
 
@@ -85,12 +86,14 @@ def gpt_config(model: ModelConfig, remat: str = "full", config: Config | None = 
 _init = nn.initializers.normal(0.02)
 
 
-def _rotary(x: jax.Array) -> jax.Array:
-    """Rotary position embedding on (batch, seq, heads, head_dim)."""
+def _rotary(x: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+    """Rotary position embedding on (batch, seq, heads, head_dim); ``positions`` (batch, seq)
+    default to 0..seq-1."""
     t, d = x.shape[1], x.shape[-1]
     freqs = 1.0 / (10000 ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
-    angles = jnp.arange(t, dtype=jnp.float32)[:, None] * freqs[None, :]
-    sin, cos = jnp.sin(angles)[None, :, None, :], jnp.cos(angles)[None, :, None, :]
+    positions = jnp.arange(t)[None] if positions is None else positions
+    angles = positions.astype(jnp.float32)[:, :, None] * freqs
+    sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
     x1, x2 = x[..., ::2].astype(jnp.float32), x[..., 1::2].astype(jnp.float32)
     out = jnp.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).reshape(x.shape)
     return out.astype(x.dtype)
@@ -99,14 +102,16 @@ def _rotary(x: jax.Array) -> jax.Array:
 class Block(nn.Module):
     """Pre-LN transformer block; ``cfg`` needs n_heads, d_ff and positions (ViT and CLIP reuse it,
     unmasked for images). With ``moe`` its feed-forward is that MoE layer and it maps
-    ``(x, stats) -> (x, stats + this layer's)`` (`jzero.models.moe.MoEStats`)."""
+    ``(x, stats) -> (x, stats + this layer's)`` (`jzero.models.moe.MoEStats`). Given a layer's
+    `KVCache` and the tokens' ``positions`` it decodes: it maps ``x -> (x, cache)``, the new keys
+    and values written and attention over the cache (`jzero.models.kvcache`)."""
 
     cfg: Any
     causal: bool = True
     moe: MoESpec | None = None
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, cache: KVCache | None = None, positions: jax.Array | None = None):
         cfg, stats = self.cfg, None
         if self.moe is not None:
             x, stats = x
@@ -119,9 +124,14 @@ class Block(nn.Module):
             qkv = checkpoint_name(nn.Dense(3 * d, use_bias=False, kernel_init=_init, name="qkv")(h), "qkv")
             q, k, v = jnp.split(qkv.reshape(b, t, 3 * cfg.n_heads, hd), 3, axis=2)
             if cfg.positions == "rotary":
-                q, k = _rotary(q), _rotary(k)
-            attn = attention.configured(q, k, v, causal=self.causal, settings=getattr(cfg, "attention", None),
-                                        sparse=getattr(cfg, "sparse_attention", None))
+                q, k = _rotary(q, positions), _rotary(k, positions)
+            if cache is None:
+                attn = attention.configured(q, k, v, causal=self.causal, settings=getattr(cfg, "attention", None),
+                                            sparse=getattr(cfg, "sparse_attention", None))
+            else:
+                cache = kvcache.written(cache, k, v, positions)
+                attn = attention.configured(q, cache.k.astype(q.dtype), cache.v.astype(q.dtype), causal=False,
+                                            settings=cfg.attention, mask=kvcache.visible(positions, cache.max_len))
             attn = checkpoint_name(attn.reshape(b, t, d), "attn_out")
             x = x + nn.Dense(d, kernel_init=_init, name="proj")(attn)
         with jax.named_scope("mlp"):
@@ -132,9 +142,11 @@ class Block(nn.Module):
             fc, out = nn.Dense(cfg.d_ff, kernel_init=_init, name="fc"), nn.Dense(d, kernel_init=_init, name="out")
             tile = getattr(cfg, "mlp_tile", 0)
             if tile and b * t > tile:
-                return x + tiles.tiled_mlp(h, tiles.params_of(fc, d, h.dtype),
-                                           tiles.params_of(out, cfg.d_ff, h.dtype), tile=tile)
-            return x + out(checkpoint_name(jax.nn.gelu(fc(h)), "mlp_hidden"))
+                x = x + tiles.tiled_mlp(h, tiles.params_of(fc, d, h.dtype),
+                                        tiles.params_of(out, cfg.d_ff, h.dtype), tile=tile)
+            else:
+                x = x + out(checkpoint_name(jax.nn.gelu(fc(h)), "mlp_hidden"))
+            return x if cache is None else (x, cache)
 
 
 class MoEUnit(nn.Module):
@@ -153,33 +165,51 @@ class MoEUnit(nn.Module):
 class GPT(nn.Module):
     """Logits (batch, seq, vocab) in fp32; with MoE layers ``(logits, MoEStats summed over them)``.
     Given ``(tokens, targets)`` instead, the mean cross entropy in place of the logits, computed
-    ``loss_tile`` tokens at a time (`jzero.models.tiles`: full logits never exist)."""
+    ``loss_tile`` tokens at a time (`jzero.models.tiles`: full logits never exist). `embed` and
+    `output` are its ends on their own: the KV-cached `decoder` runs the blocks between them."""
 
     cfg: GPTConfig
 
-    @nn.compact
+    def setup(self):
+        cfg = self.cfg
+        self.wte = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=_init)
+        if cfg.positions == "learned":
+            self.wpe = self.param("wpe", _init, (cfg.seq_len, cfg.d_model))
+        unit, length = (Block(cfg), cfg.n_layers) if cfg.moe is None else (MoEUnit(cfg), cfg.moe_layers)
+        self.blocks = scan_layers(unit, length, remat_policy=cfg.remat)
+        self.ln_f = nn.LayerNorm()
+        if not cfg.tie_embeddings:
+            self.head = nn.Dense(cfg.vocab_size, kernel_init=_init)
+
     def __call__(self, tokens):
         cfg, targets = self.cfg, None
         if isinstance(tokens, tuple):
             tokens, targets = tokens
-        embed = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=_init, name="wte")
-        with jax.named_scope("embedding"):
-            x = embed(tokens)
-            if cfg.positions == "learned":
-                x = x + self.param("wpe", _init, (cfg.seq_len, cfg.d_model))[: tokens.shape[1]].astype(x.dtype)
+        x = self.embed(tokens)
         if cfg.moe is None:
-            x = scan_layers(Block(cfg), cfg.n_layers, remat_policy=cfg.remat, name="blocks")(x)
+            x = self.blocks(x)
         else:
-            x, stats = scan_layers(MoEUnit(cfg), cfg.moe_layers, remat_policy=cfg.remat, name="blocks")(
-                (x, MoEStats.zeros(x)))
+            x, stats = self.blocks((x, MoEStats.zeros(x)))
+        out = self.output(x, targets)
+        return out if cfg.moe is None else (out, stats)
+
+    def embed(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+        """Token (and learned position) embeddings; ``positions`` default to 0..seq-1."""
+        with jax.named_scope("embedding"):  # scope names: `jzero profile` attributes FLOPs by them
+            x = self.wte(tokens)
+            if self.cfg.positions == "learned":
+                wpe = self.wpe[: tokens.shape[1]] if positions is None else self.wpe[positions]
+                x = x + wpe.astype(x.dtype)
+            return x
+
+    def output(self, x: jax.Array, targets: jax.Array | None = None) -> jax.Array:
+        """The final LayerNorm and the LM head: fp32 logits, or the tiled loss given targets."""
         with jax.named_scope("head"):
-            x = nn.LayerNorm(name="ln_f")(x)
-            head = None if cfg.tie_embeddings else nn.Dense(cfg.vocab_size, kernel_init=_init, name="head")
+            x = self.ln_f(x)
+            head = getattr(self, "head", None)
             if targets is not None:
-                out = _tiled_loss(cfg, x, targets, embed, head)
-            else:
-                out = (embed.attend(x) if head is None else head(x)).astype(jnp.float32)
-            return out if cfg.moe is None else (out, stats)
+                return _tiled_loss(self.cfg, x, targets, self.wte, head)
+            return (self.wte.attend(x) if head is None else head(x)).astype(jnp.float32)
 
 
 def _tiled_loss(cfg: GPTConfig, x: jax.Array, targets: jax.Array, embed: nn.Embed, head: nn.Dense | None):
@@ -191,6 +221,28 @@ def _tiled_loss(cfg: GPTConfig, x: jax.Array, targets: jax.Array, embed: nn.Embe
         params = tiles.params_of(head, cfg.d_model, x.dtype)
         return tiles.tiled_cross_entropy(x, params["kernel"], targets, bias=params["bias"], tied=False,
                                          tile=cfg.loss_tile)
+
+
+def decoder(cfg: GPTConfig) -> Decoder:
+    """The GPT's `jzero.models.kvcache.Decoder`: embed, the blocks scanned with the cache stacked
+    along their layer axis, the head. Dense GPTs without a sparse layout (the engine checks)."""
+    model, block, hd = GPT(cfg), Block(cfg), cfg.d_model // cfg.n_heads
+
+    def forward(params, tokens, positions, cache):
+        clipped = jnp.minimum(positions, cfg.seq_len - 1)  # the sentinel's embedding is never read
+        x = model.apply({"params": params}, tokens, clipped, method=GPT.embed)
+
+        def layer(x, per_layer):
+            layer_params, k, v = per_layer
+            x, written = block.apply({"params": layer_params}, x, KVCache(k, v), positions)
+            return x, written
+
+        x, cache = jax.lax.scan(layer, x, (params["blocks"]["stacked"], cache.k, cache.v))
+        return model.apply({"params": params}, x, method=GPT.output), KVCache(*cache)
+
+    return Decoder(forward=forward, cache=lambda rows, dtype: KVCache.zeros(cfg.n_layers, rows, cfg.seq_len,
+                                                                            cfg.n_heads, hd, dtype),
+                   max_len=cfg.seq_len, vocab_size=cfg.vocab_size)
 
 
 def model_flops(cfg: GPTConfig, tokens: int) -> dict[str, float]:

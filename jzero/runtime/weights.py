@@ -86,6 +86,17 @@ def load_params(path: str | os.PathLike) -> dict[str, Any]:
     return treepath.nest({k: v for k, v in _read(path).items() if not k.startswith(f"{MODEL_STATE}{treepath.SEP}")})
 
 
+def read_params(path: str | os.PathLike) -> dict[str, Any]:
+    """The params wherever training left them, as host numpy arrays: an exported ``.safetensors``
+    file, or a jzero checkpoint (a directory: its newest readable step, or one step directory;
+    any stage, any mesh: each leaf is read whole and checked against its checksum)."""
+    if Path(path).is_file():
+        return load_params(path)
+    ckpt, step = resolve(path)
+    names = [name for name in ckpt.record(step)["leaves"] if name.startswith("params/")]
+    return treepath.nest({name.removeprefix("params/"): ckpt.read_array(step, name) for name in names})
+
+
 def load_model_state(path: str | os.PathLike) -> dict[str, Any] | None:
     """The model state of an exported safetensors file (None for a stateless model): pass it to
     ``jzero.init(..., model_state=...)`` with the params."""

@@ -19,8 +19,8 @@ from jax.sharding import NamedSharding
 
 from jzero import models
 from jzero.config import Config, ConfigError
-from jzero.inference import uncached
-from jzero.models import clip, evoformer
+from jzero.inference import engine, scheduler, uncached
+from jzero.models import clip, evoformer, gpt
 from jzero.tasks import images, protein, protein_metrics, text
 from jzero.train.state import TrainState, device_params
 
@@ -62,13 +62,25 @@ def language(config: Config, model: models.Model) -> Task:
         return text.global_batch(tokens, config.seed, split, step, batch_size, cfg.seq_len, sharding)
 
     def preview(state: TrainState) -> str:
-        prompt = jnp.asarray(np.frombuffer(SAMPLE_PROMPT, np.uint8).astype(np.int32))
-        tokens = uncached.generate(cfg, device_params(state), prompt, SAMPLE_TOKENS, jax.random.key(config.seed))
+        tokens = np.asarray(_sample(cfg, device_params(state), config.seed))
         if corpus.vocab_size != 256:
-            return " ".join(map(str, jax.device_get(tokens).tolist()))
-        return (SAMPLE_PROMPT + bytes(np.asarray(tokens, np.uint8))).decode("utf-8", errors="replace")
+            return " ".join(map(str, tokens.tolist()))
+        return (SAMPLE_PROMPT + bytes(tokens.astype(np.uint8))).decode("utf-8", errors="replace")
 
     return Task(model, text.describe(corpus), batch, lambda state: {}, preview, "sample (temperature 0.8)")
+
+
+def _sample(cfg: gpt.GPTConfig, params: Any, seed: int) -> list[int]:
+    """The preview's tokens after `SAMPLE_PROMPT`: from the KV-cached engine up to `SAMPLE_TOKENS`
+    or the end of the model's context; a GPT it cannot serve (MoE, sparse) re-runs the forward
+    per token over a sliding window (`jzero.inference.uncached`)."""
+    prompt = list(SAMPLE_PROMPT)
+    if engine.unservable(cfg) is None:
+        request = scheduler.Request(prompt, min(SAMPLE_TOKENS, cfg.seq_len - len(prompt) + 1), uncached.PREVIEW,
+                                    seed=seed)
+        return list(scheduler.stream(engine.Engine(gpt.decoder(cfg), params, slots=1), request))
+    prompt = jnp.asarray(prompt, jnp.int32)
+    return jax.device_get(uncached.generate(cfg, params, prompt, SAMPLE_TOKENS, jax.random.key(seed))).tolist()
 
 
 def _images(config: Config, cfg: Any) -> images.Images:

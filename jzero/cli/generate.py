@@ -1,0 +1,92 @@
+"""``jzero generate CONFIG --checkpoint DIR --prompt TEXT``: stream a trained GPT's continuation.
+
+The weights come from a jzero checkpoint (any stage, any mesh) or an exported safetensors file;
+the tokens from `jzero.inference`'s KV-cached engine, printed as they are sampled. A byte-level
+model (vocab 256, the bundled corpus's) reads and prints UTF-8 text; another takes ``--prompt-ids``
+and prints ids.
+"""
+from __future__ import annotations
+
+import argparse
+import codecs
+import sys
+
+from jzero.cli.common import UsageError, add_config_arguments, config_on_devices
+
+BYTE_VOCAB = 256
+
+
+def add_weights_arguments(parser: argparse.ArgumentParser) -> None:
+    """The weights flags of every command that serves a model."""
+    parser.add_argument("--checkpoint", required=True,
+                        help="a jzero checkpoint directory (its newest step), a step directory, or a .safetensors file")
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="compute dtype (default fp32)")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    gen = sub.add_parser("generate", help="stream a trained GPT's continuation of a prompt")
+    add_config_arguments(gen)
+    add_weights_arguments(gen)
+    prompt = gen.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="UTF-8 text (byte-level models, vocab 256)")
+    prompt.add_argument("--prompt-ids", type=int, nargs="+", metavar="ID", help="token ids")
+    gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default 64)")
+    gen.add_argument("--temperature", type=float, default=1.0, help="0: greedy (default 1.0)")
+    gen.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest (default 0: all)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus: the smallest set with this mass (default 1)")
+    gen.add_argument("--seed", type=int, default=0, help="the sampling seed (default 0)")
+    gen.add_argument("--stop", type=int, help="a token id that ends generation")
+    gen.set_defaults(func=run)
+
+
+def engine_from(args: argparse.Namespace, slots: int = 1) -> tuple:
+    """(config, engine) of the command's config and checkpoint."""
+    raw = config_on_devices(args)
+    import jax.numpy as jnp
+
+    from jzero.inference import engine
+    from jzero.runtime.weights import read_params
+    from jzero.train.resolve import load_config
+
+    config = load_config(raw)
+    try:
+        params = read_params(args.checkpoint)
+    except FileNotFoundError as e:
+        raise UsageError(f"--checkpoint: {e}") from None
+    dtype = {"fp32": jnp.float32, "bf16": jnp.bfloat16}[args.dtype]
+    return config, engine.for_config(config, params, f"--checkpoint {args.checkpoint}", slots=slots, dtype=dtype)
+
+
+def prompt_tokens(vocab_size: int, text: str | None, ids: list[int] | None) -> list[int]:
+    """The prompt as token ids: UTF-8 bytes of ``text`` for a byte-level model, else ``ids``."""
+    if text is not None:
+        if vocab_size != BYTE_VOCAB:
+            raise UsageError(f"--prompt: text needs a byte-level model (vocab {BYTE_VOCAB}); this one has vocab "
+                             f"{vocab_size}: pass --prompt-ids")
+        return list(text.encode("utf-8"))
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise UsageError(f"--prompt-ids: {bad[0]} is outside the vocabulary 0..{vocab_size - 1}")
+    return ids
+
+
+def run(args: argparse.Namespace) -> int:
+    from jzero.inference import sampling
+    from jzero.inference.scheduler import Request, stream
+
+    _, eng = engine_from(args)
+    tokens = prompt_tokens(eng.decoder.vocab_size, args.prompt, args.prompt_ids)
+    try:
+        request = Request(tokens, args.max_tokens, sampling.SamplingParams(args.temperature, args.top_k, args.top_p),
+                          seed=args.seed, stop=args.stop).checked(eng.decoder.max_len)
+    except ValueError as e:
+        raise UsageError(f"--{str(e).replace('_', '-')}") from None
+    text = eng.decoder.vocab_size == BYTE_VOCAB
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    if text:
+        sys.stdout.write(args.prompt)
+    for token in stream(eng, request):
+        sys.stdout.write(decoder.decode(bytes([token])) if text else f"{token} ")
+        sys.stdout.flush()
+    sys.stdout.write(decoder.decode(b"", final=True) + "\n")
+    return 0
