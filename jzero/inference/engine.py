@@ -20,6 +20,7 @@ sits in and whatever shares the batch (`jzero.inference.sampling`), so it equals
 """
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jzero.config import Config, ConfigError
-from jzero.inference import sampling
+from jzero.inference import sampling, storage
 from jzero.models import gpt
 from jzero.models.kvcache import Decoder, KVCache
 from jzero.zero import treepath
@@ -75,12 +76,12 @@ def _draw(logits: jax.Array, keys: jax.Array, index: jax.Array, settings: tuple)
     return sampling.sample(logits, jax.vmap(jax.random.fold_in)(keys, index), *settings)
 
 
-def prefill_step(decoder: Decoder, params: Any, prefix: Prefix, tokens: jax.Array, true_length: jax.Array
-                 ) -> Prefix:
+def prefill_step(decoder: Decoder, fetch: Callable, params: Any, prefix: Prefix, tokens: jax.Array,
+                 true_length: jax.Array) -> Prefix:
     """``tokens[:true_length]`` (``[C]``, padded) written after ``prefix``'s positions."""
     at = prefix.length + jnp.arange(tokens.shape[0])
     positions = jnp.where(jnp.arange(tokens.shape[0]) < true_length, at, decoder.max_len)[None]
-    logits, cache = decoder.forward(params, tokens[None], positions, prefix.cache)
+    logits, cache = decoder.forward(params, tokens[None], positions, prefix.cache, fetch)
     last = logits[0, true_length - 1]
     token = _draw(last[None], prefix.key[None], jnp.zeros((1,), jnp.int32), tuple(s[None] for s in prefix.settings))
     return Prefix(cache, prefix.length + true_length, token[0], last, prefix.key, prefix.settings)
@@ -95,10 +96,10 @@ def insert_step(prefix: Prefix, state: DecodeState, slot: jax.Array) -> DecodeSt
                        state.active.at[slot].set(True))
 
 
-def generate_step(decoder: Decoder, params: Any, state: DecodeState) -> tuple[DecodeState, Step]:
+def generate_step(decoder: Decoder, fetch: Callable, params: Any, state: DecodeState) -> tuple[DecodeState, Step]:
     """One token for every active slot (idle slots compute at the sentinel and keep their state)."""
     positions = jnp.where(state.active, state.lengths, decoder.max_len)
-    logits, cache = decoder.forward(params, state.tokens[:, None], positions[:, None], state.cache)
+    logits, cache = decoder.forward(params, state.tokens[:, None], positions[:, None], state.cache, fetch)
     logits = logits[:, 0]
     drawn = _draw(logits, state.keys, state.produced, state.settings)
     tokens = jnp.where(state.active, drawn, state.tokens)
@@ -135,7 +136,9 @@ class Engine:
 
     ``chunk``: most prompt tokens per `prefill` call; ``dtype``: the compute dtype (params are
     cast to it once, the cache is kept in it); ``devices``: how many devices the slots are split
-    over (they must divide ``slots``)."""
+    over (they must divide ``slots``); ``weights``: where they live (`storage.PLACEMENTS`:
+    ``"host"`` is ZeRO-Inference); ``int8_block``: int8 weights with a scale per that many
+    elements (0: unquantized)."""
 
     decoder: Decoder
     params: Any
@@ -144,6 +147,8 @@ class Engine:
     min_bucket: int = 16
     dtype: Any = jnp.float32
     devices: int = 1
+    weights: str = "device"
+    int8_block: int = 0
     compiles: list[Compiled] = field(default_factory=list)
 
     def __post_init__(self):
@@ -159,9 +164,13 @@ class Engine:
         mesh = Mesh(np.array(jax.devices()[: self.devices]), ("slots",))
         self._replicated, self._by_slot = NamedSharding(mesh, P()), NamedSharding(mesh, P("slots"))
         self._by_slot_cache = NamedSharding(mesh, P(None, "slots"))
-        cast = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(self.dtype) if jnp.issubdtype(x.dtype, jnp.floating)
-                                              else x, p), out_shardings=self._replicated)
-        self.params = cast(jax.device_put(self.params, self._replicated))
+        if self.int8_block < 0:
+            raise ValueError(f"engine int8_block: must be >= 0 (0: unquantized), got {self.int8_block}")
+        kind = storage.checked_placement(self.weights)
+        self.fetch = storage.fetcher(self.weights, self.dtype)
+        self.params = jax.jit(functools.partial(storage.stored, dtype=self.dtype, int8_block=self.int8_block),
+                             out_shardings=self._replicated.with_memory_kind(kind))(
+            jax.device_put(self.params, self._replicated))
         self._executables: dict[tuple[str, tuple[int, ...]], Any] = {}
 
     # --- state -----------------------------------------------------------------------------------
@@ -191,7 +200,7 @@ class Engine:
         bucket = next(b for b in self.buckets if b >= n)
         padded = np.zeros((bucket,), np.int32)
         padded[:n] = tokens
-        run = self._compiled("prefill", (bucket,), lambda p, x, t, n: prefill_step(self.decoder, p, x, t, n),
+        run = self._compiled("prefill", (bucket,), functools.partial(prefill_step, self.decoder, self.fetch),
                              (self.params, prefix, padded, np.int32(n)), self._replicated, donate=(1,))
         return run(self.params, prefix, padded, np.int32(n))
 
@@ -212,8 +221,9 @@ class Engine:
 
     def generate(self, state: DecodeState) -> tuple[DecodeState, Step]:
         """One token for every active slot."""
-        run = self._compiled("generate", (), lambda p, s: generate_step(self.decoder, p, s), (self.params, state),
-                             (self._state_sharding(state), Step(self._by_slot, self._by_slot)), donate=(1,))
+        run = self._compiled("generate", (), functools.partial(generate_step, self.decoder, self.fetch),
+                             (self.params, state), (self._state_sharding(state), Step(self._by_slot, self._by_slot)),
+                             donate=(1,))
         return run(self.params, state)
 
     def retire(self, state: DecodeState, slot: int) -> DecodeState:
@@ -221,6 +231,11 @@ class Engine:
         run = self._compiled("retire", (), retire_step, (state, np.int32(slot)), self._state_sharding(state),
                              donate=(0,))
         return run(state, np.int32(slot))
+
+    def executable(self, name: str, shape: tuple[int, ...] = ()) -> Any:
+        """The compiled ``name`` program for ``shape`` (`compiles` lists them): to read its
+        ``memory_analysis()`` or HLO."""
+        return self._executables[(name, shape)]
 
     # --- compilation -----------------------------------------------------------------------------
     def _state_sharding(self, state: DecodeState) -> DecodeState:

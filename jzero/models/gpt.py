@@ -228,17 +228,17 @@ def decoder(cfg: GPTConfig) -> Decoder:
     along their layer axis, the head. Dense GPTs without a sparse layout (the engine checks)."""
     model, block, hd = GPT(cfg), Block(cfg), cfg.d_model // cfg.n_heads
 
-    def forward(params, tokens, positions, cache):
+    def forward(params, tokens, positions, cache, fetch=lambda p: p):
         clipped = jnp.minimum(positions, cfg.seq_len - 1)  # the sentinel's embedding is never read
-        x = model.apply({"params": params}, tokens, clipped, method=GPT.embed)
+        ends = {"params": fetch({k: v for k, v in params.items() if k != "blocks"})}
+        x = model.apply(ends, tokens, clipped, method=GPT.embed)
 
         def layer(x, per_layer):
             layer_params, k, v = per_layer
-            x, written = block.apply({"params": layer_params}, x, KVCache(k, v), positions)
-            return x, written
+            return block.apply({"params": fetch(layer_params)}, x, KVCache(k, v), positions)
 
         x, cache = jax.lax.scan(layer, x, (params["blocks"]["stacked"], cache.k, cache.v))
-        return model.apply({"params": params}, x, method=GPT.output), KVCache(*cache)
+        return model.apply(ends, x, method=GPT.output), KVCache(*cache)
 
     return Decoder(forward=forward, cache=lambda rows, dtype: KVCache.zeros(cfg.n_layers, rows, cfg.seq_len,
                                                                             cfg.n_heads, hd, dtype),

@@ -51,13 +51,15 @@ class Decoder(NamedTuple):
     """What a model exposes to be served by `jzero.inference` (the reference GPT's is
     `jzero.models.gpt.decoder`).
 
-    ``forward(params, tokens, positions, cache) -> (logits, cache)``: tokens and positions
+    ``forward(params, tokens, positions, cache, fetch) -> (logits, cache)``: tokens and positions
     ``[rows, T]`` int32, logits ``[rows, T, vocab]`` fp32, the cache with the new keys and values
-    written; ``cache(rows, dtype)``: an empty `KVCache` for ``rows`` rows; ``max_len``: the
+    written; ``fetch`` maps each layer's params, inside the layer loop, and the params outside
+    the layers to what they compute with (`jzero.inference.storage`: from host memory, int8
+    dequantized); ``cache(rows, dtype)``: an empty `KVCache` for ``rows`` rows; ``max_len``: the
     longest sequence (prompt and generated tokens) a row holds; ``vocab_size``: the logits' width.
     """
 
-    forward: Callable[[Any, jax.Array, jax.Array, KVCache], tuple[jax.Array, KVCache]]
+    forward: Callable[[Any, jax.Array, jax.Array, KVCache, Callable[[Any], Any]], tuple[jax.Array, KVCache]]
     cache: Callable[[int, Any], KVCache]
     max_len: int
     vocab_size: int

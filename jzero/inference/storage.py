@@ -1,0 +1,103 @@
+"""Where and how the engine keeps a model's weights, and what a layer does to use them.
+
+Two independent choices, each a named policy:
+
+* ``PLACEMENTS``: ``"device"`` keeps every weight in device memory; ``"host"`` is ZeRO-Inference:
+  the weights live in pinned host memory (JAX memory kinds, as training's ``offload_param``)
+  and each layer's are brought to the device inside the layer loop, right before that layer
+  runs, so the device holds about two layers' weights (the one in use and the next in flight)
+  plus the KV cache, whatever the depth.
+* int8 weight-only quantization (``int8_block``): every floating weight of two or more dims (a
+  layer's: the stacked layer dim aside)
+  whose last dim splits into blocks of ``int8_block`` is stored as int8 with one fp32 scale per
+  block (`jzero.zero.quantize`, ZeRO++'s symmetric format: error at most max|block| / 254) and
+  dequantized to the compute dtype by the layer that uses it, so quantized weights are what
+  sits in memory and crosses from the host.
+
+`fetch` is the function a `jzero.models.kvcache.Decoder` applies to each layer's params (and once
+to the params outside the layers) before use: the policy's transfer, then the dequantization.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jzero.zero import quantize, treepath
+from jzero.zero.sharding import STACKED_KEY
+
+
+class Int8(NamedTuple):
+    """A weight ``[..., n]`` as int8 ``values [..., n / block, block]`` and fp32 ``scales [..., n / block]``."""
+
+    values: jax.Array
+    scales: jax.Array
+
+
+def _is_int8(x: Any) -> bool:
+    return isinstance(x, Int8)
+
+
+def quantized(params: Any, block: int) -> Any:
+    """``params`` with every weight that fits (module docstring) as `Int8`; a stacked leaf's
+    leading layer dim does not count (a layer's LayerNorm scale ``[layers, d]`` stays as it is)."""
+    def one(path, x):
+        dims = x.ndim - any(treepath.key_name(k) == STACKED_KEY for k in path)
+        if dims < 2 or not jnp.issubdtype(x.dtype, jnp.floating) or x.shape[-1] % block:
+            return x
+        return Int8(*quantize.quantize(x, block, leading=x.ndim - 1))
+
+    return jax.tree_util.tree_map_with_path(one, params)
+
+
+def dequantized(params: Any, dtype: Any) -> Any:
+    """``params`` with each `Int8` back as a ``dtype`` array."""
+    def one(x):
+        if not _is_int8(x):
+            return x
+        shape = (*x.values.shape[:-2], x.values.shape[-2] * x.values.shape[-1])
+        return quantize.dequantize(quantize.Quantized(*x), shape, dtype)
+
+    return jax.tree.map(one, params, is_leaf=_is_int8)
+
+
+def stored(params: Any, dtype: Any, int8_block: int = 0) -> Any:
+    """``params`` as the engine keeps them: `Int8` where they fit ``int8_block`` (0: none), every
+    other floating weight in ``dtype``."""
+    if int8_block:
+        params = quantized(params, int8_block)
+
+    def cast(x):
+        return x if _is_int8(x) or not jnp.issubdtype(x.dtype, jnp.floating) else x.astype(dtype)
+
+    return jax.tree.map(cast, params, is_leaf=_is_int8)
+
+
+def weight_bytes(params: Any) -> int:
+    """Bytes of ``params`` as stored (int8 values and their scales for quantized weights)."""
+    return sum(x.nbytes for x in jax.tree.leaves(params))
+
+
+PLACEMENTS: dict[str, str] = {"device": "device", "host": "pinned_host"}  # policy -> memory kind
+
+
+def checked_placement(name: str) -> str:
+    """The memory kind of placement ``name``; ValueError naming the valid ones."""
+    if name not in PLACEMENTS:
+        raise ValueError(f"engine weights: {name!r} is not one of {', '.join(PLACEMENTS)}")
+    return PLACEMENTS[name]
+
+
+def fetcher(placement: str, dtype: Any) -> Callable[[Any], Any]:
+    """What a layer applies to its params: to the device (from the host under ``"host"``), then
+    dequantized to ``dtype``."""
+    on_host = checked_placement(placement) != "device"
+
+    def fetch(params: Any) -> Any:
+        if on_host:
+            params = jax.device_put(params, jax.memory.Space.Device)
+        return dequantized(params, dtype)
+
+    return fetch
