@@ -22,10 +22,10 @@ import optax
 from jax.ad_checkpoint import checkpoint_name
 
 from jzero.config import AttentionConfig, Config, ConfigError, ModelConfig, SparseAttentionConfig
-from jzero.models import attention, kvcache, tiles
+from jzero.models import attention, tiles
 from jzero.models.adapters import from_linen
 from jzero.models.base import Model, from_section
-from jzero.models.kvcache import Decoder, KVCache
+from jzero.models.kvcache import Decoder, Decoding, KVCache
 from jzero.models.layers import scan_layers
 from jzero.models.moe import MoE, MoESpec, MoEStats, spec_from_config
 
@@ -102,17 +102,18 @@ def _rotary(x: jax.Array, positions: jax.Array | None = None) -> jax.Array:
 class Block(nn.Module):
     """Pre-LN transformer block; ``cfg`` needs n_heads, d_ff and positions (ViT and CLIP reuse it,
     unmasked for images). With ``moe`` its feed-forward is that MoE layer and it maps
-    ``(x, stats) -> (x, stats + this layer's)`` (`jzero.models.moe.MoEStats`). Given a layer's
-    `KVCache` and the tokens' ``positions`` it decodes: it maps ``x -> (x, cache)``, the new keys
-    and values written and attention over the cache (`jzero.models.kvcache`)."""
+    ``(x, stats) -> (x, stats + this layer's)`` (`jzero.models.moe.MoEStats`). Given a
+    `jzero.models.kvcache.Decoding` it decodes: it maps ``x -> (x, decoding)``, its layer's new
+    keys and values written to the cache and attention over the cached ones."""
 
     cfg: Any
     causal: bool = True
     moe: MoESpec | None = None
 
     @nn.compact
-    def __call__(self, x, cache: KVCache | None = None, positions: jax.Array | None = None):
+    def __call__(self, x, decode: Decoding | None = None):
         cfg, stats = self.cfg, None
+        positions = None if decode is None else decode.positions
         if self.moe is not None:
             x, stats = x
         b, t, d = x.shape
@@ -125,13 +126,14 @@ class Block(nn.Module):
             q, k, v = jnp.split(qkv.reshape(b, t, 3 * cfg.n_heads, hd), 3, axis=2)
             if cfg.positions == "rotary":
                 q, k = _rotary(q, positions), _rotary(k, positions)
-            if cache is None:
+            if decode is None:
                 attn = attention.configured(q, k, v, causal=self.causal, settings=getattr(cfg, "attention", None),
                                             sparse=getattr(cfg, "sparse_attention", None))
             else:
-                cache = kvcache.written(cache, k, v, positions)
-                attn = attention.configured(q, cache.k.astype(q.dtype), cache.v.astype(q.dtype), causal=False,
-                                            settings=cfg.attention, mask=kvcache.visible(positions, cache.max_len))
+                decode = decode.written(k, v)
+                keys, values = decode.keys_values()
+                attn = attention.configured(q, keys.astype(q.dtype), values.astype(q.dtype), causal=False,
+                                            settings=cfg.attention, mask=decode.visible())
             attn = checkpoint_name(attn.reshape(b, t, d), "attn_out")
             x = x + nn.Dense(d, kernel_init=_init, name="proj")(attn)
         with jax.named_scope("mlp"):
@@ -146,7 +148,7 @@ class Block(nn.Module):
                                         tiles.params_of(out, cfg.d_ff, h.dtype), tile=tile)
             else:
                 x = x + out(checkpoint_name(jax.nn.gelu(fc(h)), "mlp_hidden"))
-            return x if cache is None else (x, cache)
+            return x if decode is None else (x, decode)
 
 
 class MoEUnit(nn.Module):
@@ -224,8 +226,9 @@ def _tiled_loss(cfg: GPTConfig, x: jax.Array, targets: jax.Array, embed: nn.Embe
 
 
 def decoder(cfg: GPTConfig) -> Decoder:
-    """The GPT's `jzero.models.kvcache.Decoder`: embed, the blocks scanned with the cache stacked
-    along their layer axis, the head. Dense GPTs without a sparse layout (the engine checks)."""
+    """The GPT's `jzero.models.kvcache.Decoder`: embed, the blocks scanned with the stacked cache
+    carried through the loop (each layer writes its new tokens in place), the head. Dense GPTs
+    without a sparse layout (the engine checks)."""
     model, block, hd = GPT(cfg), Block(cfg), cfg.d_model // cfg.n_heads
 
     def forward(params, tokens, positions, cache, fetch=lambda p: p):
@@ -233,12 +236,13 @@ def decoder(cfg: GPTConfig) -> Decoder:
         ends = {"params": fetch({k: v for k, v in params.items() if k != "blocks"})}
         x = model.apply(ends, tokens, clipped, method=GPT.embed)
 
-        def layer(x, per_layer):
-            layer_params, k, v = per_layer
-            return block.apply({"params": fetch(layer_params)}, x, KVCache(k, v), positions)
+        def layer(carry, layer_params):
+            x, decode = block.apply({"params": fetch(layer_params)}, *carry)
+            return (x, decode._replace(layer=decode.layer + 1)), None
 
-        x, cache = jax.lax.scan(layer, x, (params["blocks"]["stacked"], cache.k, cache.v))
-        return model.apply(ends, x, method=GPT.output), KVCache(*cache)
+        start = Decoding(cache, jnp.int32(0), positions)
+        (x, decode), _ = jax.lax.scan(layer, (x, start), params["blocks"]["stacked"])
+        return model.apply(ends, x, method=GPT.output), decode.cache
 
     return Decoder(forward=forward, cache=lambda rows, dtype: KVCache.zeros(cfg.n_layers, rows, cfg.seq_len,
                                                                             cfg.n_heads, hd, dtype),

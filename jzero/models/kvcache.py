@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 
 class KVCache(NamedTuple):
-    """Keys and values ``[layers, rows, max_len, kv_heads, head_dim]`` (one layer's: no layer axis)."""
+    """Keys and values ``[layers, rows, max_len, kv_heads, head_dim]``."""
 
     k: jax.Array
     v: jax.Array
@@ -33,18 +33,31 @@ class KVCache(NamedTuple):
         return self.k.shape[-3]
 
 
-def written(cache: KVCache, k: jax.Array, v: jax.Array, positions: jax.Array) -> KVCache:
-    """One layer's cache with ``k`` / ``v`` ``[rows, T, kv_heads, head_dim]`` written at
-    ``positions`` ``[rows, T]`` (the sentinel ``max_len`` writes nothing)."""
-    rows = jnp.arange(k.shape[0])[:, None]
-    return KVCache(cache.k.at[rows, positions].set(k.astype(cache.k.dtype), mode="drop"),
-                   cache.v.at[rows, positions].set(v.astype(cache.v.dtype), mode="drop"))
+class Decoding(NamedTuple):
+    """What a block needs to decode: the whole stacked cache, the index of the block's layer in
+    it and the new tokens' positions ``[rows, T]``. Carried through the layer loop, so each layer
+    writes only its new tokens into the one cache buffer (updated in place, never copied whole)."""
 
+    cache: KVCache
+    layer: jax.Array
+    positions: jax.Array
 
-def visible(positions: jax.Array, max_len: int) -> jax.Array:
-    """``[rows, 1, T, max_len]`` bool: the cached positions each new token attends to (its own
-    and every earlier one: causal over absolute positions)."""
-    return (jnp.arange(max_len)[None, None, :] <= positions[:, :, None])[:, None]
+    def written(self, k: jax.Array, v: jax.Array) -> Decoding:
+        """With ``k`` / ``v`` ``[rows, T, kv_heads, head_dim]`` written at this layer and the
+        positions (the sentinel ``max_len`` writes nothing)."""
+        rows = jnp.arange(k.shape[0])[:, None]
+        at = (self.layer, rows, self.positions)
+        return self._replace(cache=KVCache(self.cache.k.at[at].set(k.astype(self.cache.k.dtype), mode="drop"),
+                                           self.cache.v.at[at].set(v.astype(self.cache.v.dtype), mode="drop")))
+
+    def keys_values(self) -> tuple[jax.Array, jax.Array]:
+        """This layer's cached keys and values ``[rows, max_len, kv_heads, head_dim]``."""
+        return self.cache.k[self.layer], self.cache.v[self.layer]
+
+    def visible(self) -> jax.Array:
+        """``[rows, 1, T, max_len]`` bool: the cached positions each new token attends to (its
+        own and every earlier one: causal over absolute positions)."""
+        return (jnp.arange(self.cache.max_len)[None, None, :] <= self.positions[:, :, None])[:, None]
 
 
 class Decoder(NamedTuple):
