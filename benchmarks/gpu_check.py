@@ -21,7 +21,10 @@ rewritten after every row, so a window cut short keeps what it measured. Rows:
   ``memory_stats()`` peaks and the step-time ratio;
 - ``attention``: `jzero.attention` cudnn vs blockwise vs naive, causal, bf16, 16 heads of 128,
   T = 4096 and 16384: forward + backward time, compiled temporaries, and cuDNN's output against
-  blockwise (each implementation apart: one that fails or does not fit is recorded as such).
+  blockwise (each implementation apart: one that fails or does not fit is recorded as such);
+- ``inference``: the KV-cached engine on a 350M GPT, bf16, one device: decode ms per step and
+  tokens/s at 1, 8 and 32 slots with the weights on the device, in host memory (ZeRO-Inference)
+  and in int8.
 """
 from __future__ import annotations
 
@@ -227,6 +230,44 @@ def attention_row(smoke: bool) -> dict:
     return row
 
 
+def inference_row(smoke: bool) -> dict:
+    """The KV-cached engine on a 350M GPT in bf16 (random weights): ms per decode step and
+    tokens/s at 1, 8 and 32 slots, weights on the device and in host memory (ZeRO-Inference),
+    and int8 weights on the device; the device's peak bytes of each."""
+    import jax
+    import jax.numpy as jnp
+
+    from jzero.inference import engine, sampling
+    from jzero.models import gpt
+
+    cfg = gpt.GPTConfig(seq_len=256, d_model=64, n_layers=2, n_heads=4, d_ff=256) if smoke else gpt.SIZES["350m"]
+    params = jax.jit(gpt.make(cfg)[0])(jax.random.key(0))
+    greedy, row = sampling.SamplingParams(temperature=0.0), {}
+    for label, settings in (("device", {}), ("host", {"weights": "host"}), ("int8", {"int8_block": 64})):
+        for slots in (1, 8, 32):
+            try:
+                eng = engine.Engine(gpt.decoder(cfg), params, slots=slots, chunk=128, dtype=jnp.bfloat16, **settings)
+                state = eng.empty_state()
+                prefix = eng.prefill_all(eng.start(greedy, 0), list(range(128)))
+                for slot in range(slots):
+                    state = eng.insert(prefix, state, slot)
+                    prefix = eng.prefill_all(eng.start(greedy, 0), list(range(128)))
+                times = []
+                for _ in range(20):
+                    t0 = time.perf_counter()
+                    state, step = eng.generate(state)
+                    step.tokens.block_until_ready()
+                    times.append(time.perf_counter() - t0)
+                ms = 1e3 * sorted(times[2:])[len(times[2:]) // 2]
+                stats = jax.devices()[0].memory_stats() or {}
+                row[f"{label}/{slots}"] = {"ms_per_step": ms, "tokens_per_s": slots / ms * 1e3,
+                                           "peak_gib": stats.get("peak_bytes_in_use", 0) / 2**30}
+                del eng, state, prefix
+            except Exception as e:  # one variant failing is its result
+                row[f"{label}/{slots}"] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+    return row
+
+
 def markdown(report: dict) -> str:
     lines = [f"jzero GPU check, {report['started']}", "", "| row | status | seconds | result |", "|---|---|---|---|"]
     for row in report["rows"]:
@@ -255,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         "wire_dtypes": lambda: wire_dtypes_row(args.smoke),
         "offload": lambda: offload_row(args.smoke),
         "attention": lambda: attention_row(args.smoke),
+        "inference": lambda: inference_row(args.smoke),
     }
     report = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "smoke": args.smoke, "rows": []}
     for name, fn in rows.items():

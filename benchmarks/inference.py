@@ -3,15 +3,18 @@
     python benchmarks/inference.py            # 200 requests x 3 rates; CPU figures
     python benchmarks/inference.py --fast     # 60 requests: a dry run
 
-The trace: ``--requests`` requests, each a random 128-token prompt and 32 new tokens (greedy, no
-stop token, so both policies do the same work), arriving as a Poisson process at three rates:
-0.5x, 1x and 2x the rate static batching sustains on this machine (measured first, so the rates
-mean the same load on any machine). Both policies run the same engine (8 slots, chunk 128) and
-the same compiled programs, compiled before the clock starts (compile time is reported apart).
-Per run: output tokens/s and requests/s (over the first arrival to the last finish), time to
-first token and time per output token, p50 / p90 / p99. The decode microbenchmark: ms per
-`generate` step at 1, 8 and 32 slots, and the bytes it must read (weights + the whole cache)
-over that time. Prints a table; writes ``benchmarks/results/inference.{json,md,png}``.
+Two traces of ``--requests`` requests, each a random 128-token prompt (greedy, no stop token, so
+both policies do the same work), arriving as a Poisson process at three rates: 0.5x, 1x and 2x
+the rate static batching sustains on that trace on this machine (measured first, so the rates
+mean the same load on any machine). ``fixed``: 32 new tokens each, static batching's best case
+(every request of a batch ends on the same step); ``varied``: 8 to 56 new tokens (uniform, mean
+32), as real requests vary, where a static batch holds its slots until its longest request ends.
+Both policies run the same engine (8 slots, chunk 128) and the same compiled programs,
+compiled before the clock starts (compile time is reported apart). Per run: output tokens/s and
+requests/s (over the first arrival to the last finish), time to first token and time per output
+token, p50 / p90 / p99. The decode microbenchmark: ms per `generate` step at 1, 8 and 32 slots,
+and the bytes it must read (weights + the whole cache) over that time. Prints a table; writes
+``benchmarks/results/inference.{json,md,png}``.
 """
 from __future__ import annotations
 
@@ -35,11 +38,12 @@ PROMPT, OUTPUT, SLOTS, CHUNK = 128, 32, 8, 128
 GREEDY = sampling.SamplingParams(temperature=0.0)
 
 
-def trace(n: int, rate: float, seed: int = 0) -> list[Request]:
+def trace(n: int, rate: float, seed: int = 0, varied: bool = False) -> list[Request]:
     rng = np.random.default_rng(seed)
     arrivals = np.cumsum(rng.exponential(1 / rate, n))
-    return [Request(rng.integers(0, CFG.vocab_size, PROMPT), OUTPUT, GREEDY, id=i, arrival=float(a))
-            for i, a in enumerate(arrivals)]
+    outputs = rng.integers(OUTPUT // 4, OUTPUT * 7 // 4 + 1, n) if varied else np.full(n, OUTPUT)
+    return [Request(rng.integers(0, CFG.vocab_size, PROMPT), int(out), GREEDY, id=i, arrival=float(a))
+            for i, (a, out) in enumerate(zip(arrivals, outputs, strict=True))]
 
 
 def serve(eng: engine.Engine, requests: list[Request], static: bool) -> dict:
@@ -89,13 +93,17 @@ def main() -> None:
     params = jax.jit(gpt.make(CFG)[0])(jax.random.key(0))
     eng = engine.Engine(gpt.decoder(CFG), params, slots=SLOTS, chunk=CHUNK)
     compile_s = warmed(eng)
-    capacity = serve(eng, trace(2 * SLOTS, 1e6, seed=7), static=True)["requests_per_s"]
-    runs = []
-    for factor in (0.5, 1.0, 2.0):
-        for policy in ("continuous", "static"):
-            row = serve(eng, trace(n, factor * capacity, seed=int(factor * 10)), static=policy == "static")
-            runs.append({"rate_factor": factor, "rate": factor * capacity, "policy": policy, **row})
-            print(runs[-1], flush=True)
+    runs, capacity = [], {}
+    for lengths in ("fixed", "varied"):
+        varied = lengths == "varied"
+        capacity[lengths] = serve(eng, trace(4 * SLOTS, 1e6, seed=7, varied=varied), static=True)["requests_per_s"]
+        for factor in (0.5, 1.0, 2.0):
+            for policy in ("continuous", "static"):
+                requests = trace(n, factor * capacity[lengths], seed=int(factor * 10), varied=varied)
+                row = serve(eng, requests, static=policy == "static")
+                runs.append({"lengths": lengths, "rate_factor": factor, "rate": factor * capacity[lengths],
+                             "policy": policy, **row})
+                print(runs[-1], flush=True)
     decode = [decode_step(params, slots, 10 if args.fast else 30) for slots in (1, 8, 32)]
     write({"model": vars(CFG) | {"attention": None, "moe": None, "sparse_attention": None},
            "requests": n, "prompt": PROMPT, "output": OUTPUT, "slots": SLOTS, "chunk": CHUNK,
@@ -106,13 +114,14 @@ def main() -> None:
 def write(result: dict, suffix: str) -> None:
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"inference{suffix}.json").write_text(json.dumps(result, indent=1, default=str))
+    capacity = ", ".join(f"{k} {v:.2f}" for k, v in result["static_capacity_rps"].items())
     lines = [f"CPU figures ({result['backend']}, 2 cores): GPT {CFG.n_layers} layers x {CFG.d_model}, "
-             f"{result['requests']} requests of {PROMPT} prompt + {OUTPUT} new tokens, {SLOTS} slots; "
-             f"static batching sustains {result['static_capacity_rps']:.2f} req/s; compile "
-             f"{result['compile_s']:.1f} s (apart)", "",
-             "| rate (x static) | policy | out tok/s | req/s | TTFT p50 / p90 / p99 (ms) | TPOT p50 / p90 / p99 (ms) |",
-             "|---|---|---|---|---|---|"]
-    lines += [f"| {r['rate_factor']} ({r['rate']:.2f}/s) | {r['policy']} | {r['tokens_per_s']:.0f} | "
+             f"{result['requests']} requests of {PROMPT} prompt tokens + {OUTPUT} new (fixed) or "
+             f"{OUTPUT // 4}-{OUTPUT * 7 // 4} (varied), {SLOTS} slots; static batching sustains (req/s) "
+             f"{capacity}; compile {result['compile_s']:.1f} s (apart)", "",
+             "| lengths | rate (x static) | policy | out tok/s | req/s | TTFT p50 / p90 / p99 (ms) | "
+             "TPOT p50 / p90 / p99 (ms) |", "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['lengths']} | {r['rate_factor']} ({r['rate']:.2f}/s) | {r['policy']} | {r['tokens_per_s']:.0f} | "
               f"{r['requests_per_s']:.2f} | {r['ttft_p50_ms']:.0f} / {r['ttft_p90_ms']:.0f} / {r['ttft_p99_ms']:.0f} | "
               f"{r['tpot_p50_ms']:.1f} / {r['tpot_p90_ms']:.1f} / {r['tpot_p99_ms']:.1f} |" for r in result["runs"]]
     lines += ["", "| decode slots | ms / step | tokens/s | weights + cache (MiB) | GB/s read |",
@@ -131,12 +140,14 @@ def _plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for policy in ("continuous", "static"):
-        mine = [r for r in result["runs"] if r["policy"] == policy]
-        axes[0].plot([r["rate"] for r in mine], [r["tokens_per_s"] for r in mine], marker="o", label=policy)
-        axes[1].plot([r["rate"] for r in mine], [r["ttft_p90_ms"] for r in mine], marker="o", label=policy)
+    for lengths, style in (("fixed", "--"), ("varied", "-")):
+        for policy in ("continuous", "static"):
+            mine = [r for r in result["runs"] if r["policy"] == policy and r["lengths"] == lengths]
+            for ax, key in zip(axes, ("tokens_per_s", "ttft_p90_ms"), strict=True):
+                ax.plot([r["rate_factor"] for r in mine], [r[key] for r in mine], style, marker="o",
+                        label=f"{policy}, {lengths} lengths")
     for ax, label in zip(axes, ("output tokens/s", "time to first token, p90 (ms)"), strict=True):
-        ax.set(xlabel="arrival rate (requests/s)", ylabel=label)
+        ax.set(xlabel="arrival rate (x what static batching sustains)", ylabel=label)
         ax.legend(fontsize=8)
     fig.suptitle("continuous vs static batching, Poisson trace (CPU figures)")
     fig.tight_layout()

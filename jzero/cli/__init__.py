@@ -2,7 +2,7 @@
 (`common` holds what they share). The top layer: may import any layer; nothing below imports it.
 
 ``train`` (`jzero.cli.train`), ``launch``, ``estimate``, ``profile``, ``autotune``, ``tune``,
-``export``, ``generate`` and ``bench``. On a CPU-only host the devices a run asks for (``--devices`` or
+``export``, ``generate``, ``serve`` and ``bench``. On a CPU-only host the devices a run asks for (``--devices`` or
 ``jzero.mesh.devices``) are simulated: the XLA flag is set before any JAX backend starts. Bad
 input ends with one line on stderr and exit code 2, Ctrl-C with one line and exit code 130, a
 process missing at start-up with one line and exit code 75 (as a stalled step does), and
@@ -17,11 +17,11 @@ import traceback
 import warnings
 from typing import Any
 
-from jzero.cli import autotune, bench, estimate, export, generate, launch, profile, train, tune
+from jzero.cli import autotune, bench, estimate, export, generate, launch, profile, serve, train, tune
 from jzero.cli.common import UsageError
 
 EXIT_USAGE, EXIT_INTERRUPTED = 2, 130
-COMMANDS = (train, launch, autotune, tune, profile, export, generate, estimate, bench)
+COMMANDS = (train, launch, autotune, tune, profile, export, generate, serve, estimate, bench)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,6 +21,10 @@ def add_weights_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", required=True,
                         help="a jzero checkpoint directory (its newest step), a step directory, or a .safetensors file")
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="compute dtype (default fp32)")
+    parser.add_argument("--weights", choices=["device", "host"], default="device",
+                        help="host: ZeRO-Inference, weights in host memory, one layer at a time on the device")
+    parser.add_argument("--int8-block", type=int, default=0, metavar="N",
+                        help="int8 weights with a scale per N elements (default 0: unquantized)")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -54,7 +58,10 @@ def engine_from(args: argparse.Namespace, slots: int = 1) -> tuple:
     except FileNotFoundError as e:
         raise UsageError(f"--checkpoint: {e}") from None
     dtype = {"fp32": jnp.float32, "bf16": jnp.bfloat16}[args.dtype]
-    return config, engine.for_config(config, params, f"--checkpoint {args.checkpoint}", slots=slots, dtype=dtype)
+    if args.int8_block < 0:
+        raise UsageError(f"--int8-block: must be >= 0 (0: unquantized), got {args.int8_block}")
+    return config, engine.for_config(config, params, f"--checkpoint {args.checkpoint}", slots=slots, dtype=dtype,
+                                     weights=args.weights, int8_block=args.int8_block)
 
 
 def prompt_tokens(vocab_size: int, text: str | None, ids: list[int] | None) -> list[int]:

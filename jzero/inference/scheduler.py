@@ -154,24 +154,25 @@ class Scheduler:
             return n, []
         self.prefilling = None
         self.state = self.engine.insert(prefix, self.state, slot)
-        return n, [self._emit(slot, int(prefix.token), len(prompt) + 1)]
+        return n, [self._emit(slot, int(prefix.token))]
 
     def _decode(self) -> list[Event]:
         self.state, step = self.engine.generate(self.state)
-        tokens, lengths = np.asarray(step.tokens), np.asarray(self.state.lengths)
-        return [self._emit(slot, int(tokens[slot]), int(lengths[slot]) + 1)
+        tokens = np.asarray(step.tokens)
+        return [self._emit(slot, int(tokens[slot]))
                 for slot, progress in enumerate(self.slots)
                 if progress is not None and progress.first_token is not None]
 
-    def _emit(self, slot: int, token: int, context: int) -> Event:
-        """Record ``token`` for the request in ``slot`` (whose context then holds ``context``
-        tokens, the new one included) and retire the slot if the request is done."""
+    def _emit(self, slot: int, token: int) -> Event:
+        """Record ``token`` for the request in ``slot`` and retire the slot if the request is done
+        (its context, the prompt and every token so far, has no room to feed this one back)."""
         progress, now = self.slots[slot], self.clock()
         progress.tokens.append(token)
         progress.first_token = now if progress.first_token is None else progress.first_token
         request = progress.request
         reason = ("stop" if token == request.stop else "length" if len(progress.tokens) >= request.max_tokens
-                  else "context" if context > self.engine.decoder.max_len else None)
+                  else "context" if len(request.prompt) + len(progress.tokens) > self.engine.decoder.max_len
+                  else None)
         if reason is not None:
             progress.finished, progress.reason = now, reason
             self.slots[slot] = None

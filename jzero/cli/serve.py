@@ -1,0 +1,40 @@
+"""``jzero serve CONFIG --checkpoint DIR``: serve a trained GPT over HTTP (`jzero.runtime.server`).
+
+Bound to 127.0.0.1 unless ``--host`` says otherwise; SIGTERM or Ctrl-C finishes the requests in
+flight (up to ``--drain`` seconds) and exits 0.
+"""
+from __future__ import annotations
+
+import argparse
+
+from jzero.cli.common import UsageError, add_config_arguments
+from jzero.cli.generate import add_weights_arguments, engine_from
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    srv = sub.add_parser("serve", help="serve a trained GPT: OpenAI-style POST /v1/completions, GET /health")
+    add_config_arguments(srv)
+    add_weights_arguments(srv)
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    srv.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    srv.add_argument("--slots", type=int, default=8, help="requests decoded together (default 8)")
+    srv.add_argument("--max-tokens-limit", type=int, default=256, help="most tokens one request may ask (default 256)")
+    srv.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
+    srv.add_argument("--drain", type=float, default=30.0, help="seconds to finish in-flight requests on SIGTERM")
+    srv.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    for flag in ("port", "slots", "max_tokens_limit", "max_body_bytes"):
+        if getattr(args, flag) < (0 if flag == "port" else 1):
+            raise UsageError(f"--{flag.replace('_', '-')}: must be {'>= 0' if flag == 'port' else '>= 1'}, "
+                             f"got {getattr(args, flag)}")
+    try:
+        from jzero.runtime import server
+    except ModuleNotFoundError as e:
+        raise UsageError(f"jzero serve needs aiohttp: pip install 'jzero[serve]' ({e})") from None
+    config, engine = engine_from(args, slots=args.slots)
+    server.serve(engine, config.jzero.model.size or "gpt", args.host, args.port,
+                 server.Limits(args.max_tokens_limit, args.max_body_bytes), args.drain)
+    print("jzero: serve stopped cleanly", flush=True)
+    return 0

@@ -1,0 +1,246 @@
+"""`jzero serve`: an OpenAI-style completions server over the continuous-batching scheduler.
+
+``POST /v1/completions`` takes ``prompt`` (text for a byte-level model, or a list of token ids),
+``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed`` and ``stream``; it answers one
+JSON completion, or with ``stream`` server-sent events (a chunk per token, then ``[DONE]``).
+``GET /health`` says whether it takes requests and how busy it is.
+
+Built on aiohttp: one well-kept asyncio library is both the server (streaming responses for
+SSE, a body-size limit, graceful shutdown on SIGTERM built in, no separate ASGI server to run)
+and the client the tests call it with. The engine runs in a thread of its own: handlers put
+checked requests on a queue; the thread submits them to the `Scheduler`, steps it while
+anything is in flight, and hands each token to its request's asyncio queue.
+
+Shutdown on SIGTERM or SIGINT: the server stops listening and answers new requests 503, every
+request in flight is finished (up to ``drain_s`` seconds; what is left then gets an error
+event), and the engine thread stops. Errors are clean: 400 for a body that is not JSON, 413 for
+one over the size limit, 422 naming the field for a value out of range.
+"""
+from __future__ import annotations
+
+import asyncio
+import codecs
+import itertools
+import json
+import queue
+import secrets
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from jzero.inference import sampling
+from jzero.inference.engine import Engine
+from jzero.inference.scheduler import Event, Request, Scheduler
+
+BYTE_VOCAB = 256
+FINISH = {"length": "length", "context": "length", "stop": "stop"}  # ours -> OpenAI's finish_reason
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask: tokens to generate, and the body's bytes."""
+
+    max_tokens: int = 256
+    max_body_bytes: int = 1 << 20
+
+
+class FieldError(ValueError):
+    """A request field out of range: a 422 naming it."""
+
+
+def _field(body: dict, name: str, kind: type | tuple, default: Any) -> Any:
+    value = body.get(name, default)
+    if isinstance(value, bool) and kind is not bool or not isinstance(value, kind):
+        raise FieldError(f"{name}: expected {getattr(kind, '__name__', 'a number')}, got {json.dumps(value)}")
+    return value
+
+
+def parse(body: Any, vocab_size: int, max_len: int, limits: Limits) -> tuple[Request, bool]:
+    """(the request, whether to stream) of a completions body; FieldError naming what is wrong."""
+    if not isinstance(body, dict):
+        raise FieldError("body: expected a JSON object")
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        if vocab_size != BYTE_VOCAB:
+            raise FieldError(f"prompt: text needs a byte-level model (vocab {BYTE_VOCAB}); send token ids")
+        tokens = list(prompt.encode("utf-8"))
+    elif isinstance(prompt, list) and all(isinstance(t, int) and 0 <= t < vocab_size for t in prompt):
+        tokens = prompt
+    else:
+        raise FieldError(f"prompt: expected a string or a list of token ids in 0..{vocab_size - 1}")
+    max_tokens = _field(body, "max_tokens", int, 16)
+    if not 1 <= max_tokens <= limits.max_tokens:
+        raise FieldError(f"max_tokens: must be in 1..{limits.max_tokens}, got {max_tokens}")
+    number = (int, float)
+    settings = sampling.SamplingParams(float(_field(body, "temperature", number, 1.0)),
+                                       _field(body, "top_k", int, 0), float(_field(body, "top_p", number, 1.0)))
+    seed = _field(body, "seed", int, None) if "seed" in body else secrets.randbits(31)
+    try:
+        request = Request(tokens, max_tokens, settings, seed=seed).checked(max_len)
+    except ValueError as e:
+        raise FieldError(str(e)) from None
+    return request, bool(_field(body, "stream", bool, False))
+
+
+class Server:
+    """The engine thread and the HTTP app around one `Engine`."""
+
+    def __init__(self, engine: Engine, model_name: str, limits: Limits = Limits(), drain_s: float = 30.0):
+        self.engine, self.model_name, self.limits, self.drain_s = engine, model_name, limits, drain_s
+        self.scheduler = Scheduler(engine)
+        self.submissions: queue.Queue[Request] = queue.Queue()
+        self.streams: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self.ids = itertools.count()
+        self.draining = False
+        self.failed: str | None = None
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._engine_loop, name="jzero-engine", daemon=True)
+
+    # --- the engine thread -----------------------------------------------------------------------
+    def _engine_loop(self) -> None:
+        try:
+            while not self.stopped.is_set():
+                try:
+                    request = self.submissions.get(timeout=0 if self.scheduler.busy else 0.05)
+                    self.scheduler.submit(request)
+                    continue  # take every waiting submission before the next step
+                except queue.Empty:
+                    pass
+                if self.scheduler.busy:
+                    for event in self.scheduler.step():
+                        self._deliver(event.id, event)
+        except Exception as e:  # the engine failed: every request in flight ends with an error
+            self.failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            print(f"jzero: serve: the engine failed: {self.failed}", file=sys.stderr, flush=True)
+            for request_id in list(self.streams):
+                self._deliver(request_id, None)
+
+    def _deliver(self, request_id: int, event: Event | None) -> None:
+        """Hand ``event`` (None: an error) to its request's handler, if it is still waiting."""
+        entry = self.streams.get(request_id)
+        if entry is not None:  # its client may be gone
+            loop, events = entry
+            loop.call_soon_threadsafe(events.put_nowait, event)
+
+    # --- HTTP ------------------------------------------------------------------------------------
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.limits.max_body_bytes)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/health", self.health)
+        app.on_startup.append(self._start)
+        app.on_shutdown.append(self._drain)
+        app.on_cleanup.append(self._stop)
+        return app
+
+    async def _start(self, _: web.Application) -> None:
+        self.thread.start()
+
+    async def _drain(self, _: web.Application) -> None:
+        self.draining = True
+        deadline = time.monotonic() + self.drain_s
+        while self.streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for request_id in list(self.streams):
+            self._deliver(request_id, None)  # what is left ends with an error
+
+    async def _stop(self, _: web.Application) -> None:
+        self.stopped.set()
+        self.thread.join(timeout=10)
+
+    async def health(self, _: web.Request) -> web.Response:
+        busy = {"active": sum(s is not None for s in self.scheduler.slots), "waiting": len(self.scheduler.waiting),
+                "slots": self.engine.slots}
+        if self.failed or self.draining:
+            status = f"failed: {self.failed}" if self.failed else "draining"
+            return web.json_response({"status": status, **busy}, status=503)
+        return web.json_response({"status": "ok", "model": self.model_name, **busy})
+
+    async def completions(self, http: web.Request) -> web.StreamResponse:
+        if self.failed or self.draining:
+            return _error(503, f"the engine failed: {self.failed}" if self.failed else "the server is shutting down")
+        try:
+            body = json.loads(await http.read())
+        except web.HTTPRequestEntityTooLarge:
+            return _error(413, f"body: over the {self.limits.max_body_bytes} bytes a request may send")
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            return _error(400, f"body: not valid JSON ({e})")
+        try:
+            request, stream = parse(body, self.engine.decoder.vocab_size, self.engine.decoder.max_len, self.limits)
+        except FieldError as e:
+            return _error(422, str(e))
+        request.id = next(self.ids)
+        events: asyncio.Queue = asyncio.Queue()
+        self.streams[request.id] = (asyncio.get_running_loop(), events)
+        try:
+            self.submissions.put(request)
+            return await (self._stream(http, request, events) if stream else self._whole(request, events))
+        finally:
+            del self.streams[request.id]
+
+    def _chunk(self, request: Request, text: str, tokens: list[int], finish: str | None) -> dict:
+        return {"id": f"cmpl-{request.id}", "object": "text_completion", "created": int(time.time()),
+                "model": self.model_name, "choices": [{"index": 0, "text": text, "token_ids": tokens,
+                                                       "finish_reason": finish}]}
+
+    async def _whole(self, request: Request, events: asyncio.Queue) -> web.Response:
+        text, tokens = _Text(self.engine.decoder.vocab_size), []
+        while True:
+            event = await events.get()
+            if event is None:
+                return _error(503, "the server shut down before the completion finished")
+            tokens.append(event.token)
+            if event.finished:
+                body = self._chunk(request, text.of(tokens), tokens, FINISH[event.finished])
+                body["seed"] = request.seed
+                body["usage"] = {"prompt_tokens": len(request.prompt), "completion_tokens": len(tokens),
+                                 "total_tokens": len(request.prompt) + len(tokens)}
+                return web.json_response(body)
+
+    async def _stream(self, http: web.Request, request: Request, events: asyncio.Queue) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(http)
+        text = _Text(self.engine.decoder.vocab_size)
+        while True:
+            event = await events.get()
+            if event is None:
+                await response.write(b'data: {"error": "the server shut down before the completion finished"}\n\n')
+                break
+            chunk = self._chunk(request, text.piece(event.token, final=bool(event.finished)), [event.token],
+                                FINISH.get(event.finished))
+            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            if event.finished:
+                await response.write(b"data: [DONE]\n\n")
+                break
+        await response.write_eof()
+        return response
+
+
+class _Text:
+    """Tokens as text: UTF-8 bytes for a byte-level model (a character split over tokens comes
+    out whole, with its last byte), space-separated ids otherwise."""
+
+    def __init__(self, vocab_size: int):
+        self.bytes = vocab_size == BYTE_VOCAB
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def of(self, tokens: list[int]) -> str:
+        return bytes(tokens).decode("utf-8", errors="replace") if self.bytes else " ".join(map(str, tokens))
+
+    def piece(self, token: int, final: bool) -> str:
+        return self.decoder.decode(bytes([token]), final=final) if self.bytes else f"{token} "
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "code": status}}, status=status)
+
+
+def serve(engine: Engine, model_name: str, host: str, port: int, limits: Limits, drain_s: float) -> None:
+    """Run the server until SIGTERM or SIGINT (module docstring)."""
+    server = Server(engine, model_name, limits, drain_s)
+    web.run_app(server.app(), host=host, port=port, shutdown_timeout=drain_s + 5, handle_signals=True,
+                print=lambda _: print(f"jzero: serving {model_name} on http://{host}:{port} "
+                                      f"({engine.slots} slots); SIGTERM or Ctrl-C stops it", flush=True))
