@@ -30,6 +30,7 @@ from jzero.runtime.checkpoint import (
     host_checksum,
 )
 from jzero.runtime.loops import draining
+from jzero.runtime.weights import read_params
 
 from helpers import (
     FAST,
@@ -106,6 +107,14 @@ def test_restore_onto_other_mesh_and_stage_continues_exactly(saved, ndev, stage,
     ref_losses, ref_params = reference("gpt")
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     jax.tree.map(assert_params_close, host(state.params), ref_params)
+
+
+def test_inference_reads_params_from_a_zero3_checkpoint(saved):
+    """`jzero generate` / `serve` read a ZeRO-3, 8-device checkpoint whole, from its directory
+    or one step directory, equal to the trained params."""
+    directory, params, _, _ = saved
+    assert_equal_trees(read_params(directory), params)
+    assert_equal_trees(read_params(Path(directory) / str(SAVE_AT)), params)
 
 
 def test_mismatched_model_names_the_first_differing_leaf(saved):

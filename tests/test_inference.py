@@ -33,8 +33,12 @@ def _params(cfg):
     return jax.jit(gpt.make(cfg)[0])(jax.random.key(0))
 
 
-@pytest.fixture(scope="module", params=[(1, "learned", True, "device"), (8, "rotary", False, "host")],
-                ids=["1-device-learned", "8-devices-rotary-untied-offloaded"])
+@pytest.fixture(scope="module", params=[
+    pytest.param((1, "learned", True, "device"), id="1-device-learned"),
+    pytest.param((8, "rotary", False, "host"), id="8-devices-rotary-untied-offloaded"),
+    pytest.param((1, "rotary", True, "host"), id="1-device-rotary-offloaded", marks=pytest.mark.slow),
+    pytest.param((8, "learned", False, "device"), id="8-devices-learned-untied", marks=pytest.mark.slow),
+    pytest.param((8, "learned", True, "sharded"), id="8-devices-learned-sharded", marks=pytest.mark.slow)])
 def engine_run(request):
     """The 3 prompts prefilled (chunk 32: the 40-token prompt takes two chunks) into slots 1, 3
     and 5 of 8, then 63 generate steps: (cfg, params, tokens [3, 64], logits [3, 64, vocab])."""
@@ -85,7 +89,7 @@ def test_zero_inference_keeps_weights_on_the_host_and_moves_a_layer_at_a_time():
     layer loop: never a whole stacked leaf."""
     cfg = dataclasses.replace(CFG, n_layers=4)
     params = _params(cfg)
-    memory = {}
+    memory, temp = {}, {}
     for weights in ("device", "host"):
         eng = engine.Engine(gpt.decoder(cfg), params, slots=8, chunk=32, weights=weights)
         eng.generate(eng.empty_state())
@@ -94,15 +98,39 @@ def test_zero_inference_keeps_weights_on_the_host_and_moves_a_layer_at_a_time():
             jax.tree.leaves(eng.params), jax.tree.leaves(compiled.input_shardings[0][0]), strict=True)
             if s.memory_kind == "pinned_host")
         memory[weights] = (compiled.memory_analysis().argument_size_in_bytes, on_host)
+        temp[weights] = compiled.memory_analysis().temp_size_in_bytes
     total = storage.weight_bytes(eng.params)
+    layer = storage.weight_bytes(eng.params["blocks"]) // cfg.n_layers
     assert memory["host"][1] == total and memory["device"][1] == 0
     assert memory["host"][0] - total == memory["device"][0] - total  # CPU counts host arguments too
+    assert temp["host"] - temp["device"] <= 2 * layer + (total - cfg.n_layers * layer)  # moved copies
     text = jax.jit(functools.partial(engine.generate_step, eng.decoder, eng.fetch)).trace(
         eng.params, eng.empty_state()).lower(lowering_platforms=("cuda",)).as_text()
     moved = {tuple(int(d) for d in shape.split("x"))
              for shape in re.findall(r'_xla_buffer_placement = "device"\}\} : \(tensor<([0-9x]+)x\w+>\)', text)}
     stacked = [x.shape for x in jax.tree.leaves(eng.params["blocks"])]
     assert {shape[1:] for shape in stacked} <= moved and not set(stacked) & moved
+
+
+def test_sharded_weights_hold_an_eighth_a_device_and_gather_a_layer_at_a_time():
+    """weights "sharded" over 8 devices: each holds about 1/8 of every weight, the compiled decode
+    step all-gathers each stacked leaf once per layer inside the loop, and the tokens equal the
+    replicated engine's."""
+    cfg = dataclasses.replace(CFG, n_layers=3)
+    params = _params(cfg)
+    tokens = {}
+    for weights in ("device", "sharded"):
+        eng = engine.Engine(gpt.decoder(cfg), params, slots=8, chunk=32, devices=8, weights=weights)
+        state = eng.insert(eng.prefill_all(eng.start(GREEDY, 0), PROMPTS[2]), eng.empty_state(), 4)
+        tokens[weights] = [int(eng.generate(state)[1].tokens[4])]
+    assert tokens["sharded"] == tokens["device"]
+    total = storage.weight_bytes(eng.params)
+    per_device = sum(profile.shard_bytes(x.shape, x.dtype, x.sharding) for x in jax.tree.leaves(eng.params))
+    assert per_device <= total / 8 + 1024  # the LayerNorm scales that do not split stay whole
+    gathers = [c for c in profile.comm(eng.executable("generate")).collectives if c.kind == "all-gather"]
+    stacked = jax.tree.leaves(eng.params["blocks"])
+    assert sum(c.count for c in gathers) >= cfg.n_layers * len(stacked)
+    assert {c.count for c in gathers if c.count > 1} == {cfg.n_layers}
 
 
 def test_int8_weights_compute_with_their_dequantized_values():

@@ -14,8 +14,9 @@ the next bucket, the padding at the sentinel position `jzero.models.kvcache` dro
 The decode state is donated to each call (the cache is updated in place, not copied).
 
 On several devices the slots are split over them (a 1-D ``slots`` mesh) and the weights are
-replicated. Token ``i`` of a request is drawn with ``fold_in(key(seed), i)``, whatever slot it
-sits in and whatever shares the batch (`jzero.inference.sampling`), so it equals
+replicated, or split ZeRO-3 style and gathered a layer at a time (`jzero.inference.storage`).
+Token ``i`` of a request is drawn with ``fold_in(key(seed), i)``, whatever slot it sits in and
+whatever shares the batch (`jzero.inference.sampling`), so it equals
 `jzero.inference.uncached.generate`'s for the same seed.
 """
 from __future__ import annotations
@@ -137,8 +138,8 @@ class Engine:
     ``chunk``: most prompt tokens per `prefill` call; ``dtype``: the compute dtype (params are
     cast to it once, the cache is kept in it); ``devices``: how many devices the slots are split
     over (they must divide ``slots``); ``weights``: where they live (`storage.PLACEMENTS`:
-    ``"host"`` is ZeRO-Inference); ``int8_block``: int8 weights with a scale per that many
-    elements (0: unquantized)."""
+    ``"sharded"`` splits them over the devices, ``"host"`` is ZeRO-Inference); ``int8_block``:
+    int8 weights with a scale per that many elements (0: unquantized)."""
 
     decoder: Decoder
     params: Any
@@ -166,11 +167,10 @@ class Engine:
         self._by_slot_cache = NamedSharding(mesh, P(None, "slots"))
         if self.int8_block < 0:
             raise ValueError(f"engine int8_block: must be >= 0 (0: unquantized), got {self.int8_block}")
-        kind = storage.checked_placement(self.weights)
-        self.fetch = storage.fetcher(self.weights, self.dtype)
-        self.params = jax.jit(functools.partial(storage.stored, dtype=self.dtype, int8_block=self.int8_block),
-                             out_shardings=self._replicated.with_memory_kind(kind))(
-            jax.device_put(self.params, self._replicated))
+        self.fetch = storage.fetcher(self.weights, self.dtype, mesh)
+        store = functools.partial(storage.stored, dtype=self.dtype, int8_block=self.int8_block)
+        layout = storage.shardings(jax.eval_shape(store, self.params), self.weights, mesh)
+        self.params = jax.jit(store, out_shardings=layout)(jax.device_put(self.params, self._replicated))
         self._executables: dict[tuple[str, tuple[int, ...]], Any] = {}
 
     # --- state -----------------------------------------------------------------------------------

@@ -1,12 +1,14 @@
 """Where and how the engine keeps a model's weights, and what a layer does to use them.
 
-Two independent choices, each a named policy:
+Two independent choices:
 
-* ``PLACEMENTS``: ``"device"`` keeps every weight in device memory; ``"host"`` is ZeRO-Inference:
-  the weights live in pinned host memory (JAX memory kinds, as training's ``offload_param``)
-  and each layer's are brought to the device inside the layer loop, right before that layer
-  runs, so the device holds about two layers' weights (the one in use and the next in flight)
-  plus the KV cache, whatever the depth.
+* ``PLACEMENTS``, named policies: ``"device"`` keeps every weight whole on every device;
+  ``"sharded"`` splits each over the devices by ZeRO-3's rule and all-gathers a layer's right
+  before it runs (a model too big for one device, served by several); ``"host"`` is
+  ZeRO-Inference: the weights live in pinned host memory (JAX memory kinds, as training's
+  ``offload_param``) and each layer's are brought to the device inside the layer loop, right
+  before that layer runs, so the device holds about two layers' weights (the one in use and
+  the next in flight) plus the KV cache, whatever the depth.
 * int8 weight-only quantization (``int8_block``): every floating weight of two or more dims (a
   layer's: the stacked layer dim aside)
   whose last dim splits into blocks of ``int8_block`` is stored as int8 with one fp32 scale per
@@ -14,8 +16,9 @@ Two independent choices, each a named policy:
   dequantized to the compute dtype by the layer that uses it, so quantized weights are what
   sits in memory and crosses from the host.
 
-`fetch` is the function a `jzero.models.kvcache.Decoder` applies to each layer's params (and once
-to the params outside the layers) before use: the policy's transfer, then the dequantization.
+`fetcher` builds the function a `jzero.models.kvcache.Decoder` applies to each layer's params (and once
+to the params outside the layers) before use: the policy's transfer or gather, then the
+dequantization.
 """
 from __future__ import annotations
 
@@ -24,8 +27,10 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from jzero.zero import quantize, treepath
+from jzero.zero import quantize, sharding, treepath
 from jzero.zero.sharding import STACKED_KEY
 
 
@@ -80,24 +85,52 @@ def weight_bytes(params: Any) -> int:
     return sum(x.nbytes for x in jax.tree.leaves(params))
 
 
-PLACEMENTS: dict[str, str] = {"device": "device", "host": "pinned_host"}  # policy -> memory kind
+class Placement(NamedTuple):
+    """Where a policy keeps the weights: the memory kind, and whether each is split over the
+    devices (ZeRO-3's layout, gathered a layer at a time) or whole on every device."""
+
+    memory_kind: str
+    sharded: bool
 
 
-def checked_placement(name: str) -> str:
-    """The memory kind of placement ``name``; ValueError naming the valid ones."""
+PLACEMENTS: dict[str, Placement] = {
+    "device": Placement("device", False),  # whole on every device
+    "sharded": Placement("device", True),  # ZeRO-3 style: 1/N on each device, all-gathered per layer
+    "host": Placement("pinned_host", False),  # ZeRO-Inference: host memory, moved per layer
+}
+
+
+def checked_placement(name: str) -> Placement:
+    """Placement ``name``; ValueError naming the valid ones."""
     if name not in PLACEMENTS:
         raise ValueError(f"engine weights: {name!r} is not one of {', '.join(PLACEMENTS)}")
     return PLACEMENTS[name]
 
 
-def fetcher(placement: str, dtype: Any) -> Callable[[Any], Any]:
-    """What a layer applies to its params: to the device (from the host under ``"host"``), then
-    dequantized to ``dtype``."""
-    on_host = checked_placement(placement) != "device"
+def shardings(params: Any, placement: str, mesh: Mesh) -> Any:
+    """Each stored leaf's `NamedSharding` on ``mesh`` (one axis) under ``placement``: ZeRO's rule
+    for a split leaf (`jzero.zero.sharding.zero_spec`: its largest dim that divides, never a
+    stacked leaf's layer dim), replicated otherwise."""
+    place, axis = checked_placement(placement), mesh.axis_names[0]
+
+    def one(path, x):
+        spec = sharding.zero_spec(x.shape, P(), mesh.shape[axis], stacked=sharding.is_stacked(path), axes=(axis,))
+        return NamedSharding(mesh, spec if place.sharded else P(), memory_kind=place.memory_kind)
+
+    return jax.tree_util.tree_map_with_path(one, params)
+
+
+def fetcher(placement: str, dtype: Any, mesh: Mesh) -> Callable[[Any], Any]:
+    """What a layer applies to its params: to the device (from the host under ``"host"``),
+    gathered whole (under ``"sharded"``), then dequantized to ``dtype``."""
+    place = checked_placement(placement)
+    whole = NamedSharding(mesh, P())
 
     def fetch(params: Any) -> Any:
-        if on_host:
+        if place.memory_kind != "device":
             params = jax.device_put(params, jax.memory.Space.Device)
+        if place.sharded:
+            params = jax.lax.with_sharding_constraint(params, jax.tree.map(lambda _: whole, params))
         return dequantized(params, dtype)
 
     return fetch
