@@ -21,8 +21,9 @@ def add_weights_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", required=True,
                         help="a jzero checkpoint directory (its newest step), a step directory, or a .safetensors file")
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="compute dtype (default fp32)")
-    parser.add_argument("--weights", choices=["device", "host"], default="device",
-                        help="host: ZeRO-Inference, weights in host memory, one layer at a time on the device")
+    parser.add_argument("--weights", choices=["device", "sharded", "host"], default="device",
+                        help="device: whole on each device; sharded: split over --devices, gathered a layer at a "
+                             "time; host: ZeRO-Inference, in host memory, a layer at a time on the device")
     parser.add_argument("--int8-block", type=int, default=0, metavar="N",
                         help="int8 weights with a scale per N elements (default 0: unquantized)")
 
@@ -43,8 +44,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     gen.set_defaults(func=run)
 
 
-def engine_from(args: argparse.Namespace, slots: int = 1) -> tuple:
-    """(config, engine) of the command's config and checkpoint."""
+def engine_from(args: argparse.Namespace, slots: int | None = None) -> tuple:
+    """(config, engine) of the command's config and checkpoint: ``slots`` slots (default: one a
+    device) over ``--devices`` devices (default 1)."""
     raw = config_on_devices(args)
     import jax.numpy as jnp
 
@@ -60,8 +62,13 @@ def engine_from(args: argparse.Namespace, slots: int = 1) -> tuple:
     dtype = {"fp32": jnp.float32, "bf16": jnp.bfloat16}[args.dtype]
     if args.int8_block < 0:
         raise UsageError(f"--int8-block: must be >= 0 (0: unquantized), got {args.int8_block}")
-    return config, engine.for_config(config, params, f"--checkpoint {args.checkpoint}", slots=slots, dtype=dtype,
-                                     weights=args.weights, int8_block=args.int8_block)
+    devices = args.devices or 1
+    try:
+        return config, engine.for_config(config, params, f"--checkpoint {args.checkpoint}", slots=slots or devices,
+                                         dtype=dtype, devices=devices, weights=args.weights,
+                                         int8_block=args.int8_block)
+    except ValueError as e:  # the engine's settings: --slots, --devices
+        raise UsageError(str(e)) from None
 
 
 def prompt_tokens(vocab_size: int, text: str | None, ids: list[int] | None) -> list[int]:
