@@ -157,12 +157,13 @@ class Engine:
                             ("devices", self.devices)):
             if not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"engine {name}: must be an integer >= 1, got {value!r}")
-        if self.devices > len(jax.devices()) or self.slots % self.devices:
+        local = jax.local_devices()  # each process serves on its own devices
+        if self.devices > len(local) or self.slots % self.devices:
             raise ValueError(f"engine devices: {self.devices} must divide slots ({self.slots}) and be at most the "
-                             f"{len(jax.devices())} devices present")
+                             f"{len(local)} devices present")
         self.chunk = min(self.chunk, self.decoder.max_len)
         self.buckets = buckets(self.chunk, min(self.min_bucket, self.chunk))
-        mesh = Mesh(np.array(jax.devices()[: self.devices]), ("slots",))
+        mesh = Mesh(np.array(local[: self.devices]), ("slots",))
         self._replicated, self._by_slot = NamedSharding(mesh, P()), NamedSharding(mesh, P("slots"))
         self._by_slot_cache = NamedSharding(mesh, P(None, "slots"))
         if self.int8_block < 0:

@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
 from jzero import models
@@ -76,6 +77,8 @@ def _sample(cfg: gpt.GPTConfig, params: Any, seed: int) -> list[int]:
     per token over a sliding window (`jzero.inference.uncached`)."""
     prompt = list(SAMPLE_PROMPT)
     if engine.unservable(cfg) is None:
+        if jax.process_count() > 1:  # the engine is each process's own: every process gets the whole params
+            params = multihost_utils.process_allgather(params, tiled=True)
         request = scheduler.Request(prompt, min(SAMPLE_TOKENS, cfg.seq_len - len(prompt) + 1), uncached.PREVIEW,
                                     seed=seed)
         return list(scheduler.stream(engine.Engine(gpt.decoder(cfg), params, slots=1), request))
