@@ -138,4 +138,6 @@ def test_serve_answers_like_generate_rejects_bad_input_and_stops_on_sigterm(serv
     assert first.startswith(b"data: ") and rest[-1] == b"data: [DONE]\n"
     assert len(rest) == 40  # the 39 tokens after the first, then [DONE]: finished, not cut
     assert proc.wait(timeout=60) == 0
-    assert "jzero: serve stopped cleanly" in proc.stdout.read()
+    out = proc.stdout.read()
+    assert "jzero: serve stopped cleanly" in out
+    assert "jzero: serve compiled 4 programs" in out  # prefill (prompts fit one bucket), insert, generate, retire

@@ -3,7 +3,8 @@
 ``POST /v1/completions`` takes ``prompt`` (text for a byte-level model, or a list of token ids),
 ``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed`` and ``stream``; it answers one
 JSON completion, or with ``stream`` server-sent events (a chunk per token, then ``[DONE]``).
-``GET /health`` says whether it takes requests and how busy it is.
+``GET /health`` says whether it takes requests, how busy it is and what the engine compiled
+(each program and prompt bucket once: a recompile would show here).
 
 Built on aiohttp: one well-kept asyncio library is both the server (streaming responses for
 SSE, a body-size limit, graceful shutdown on SIGTERM built in, no separate ASGI server to run)
@@ -153,7 +154,7 @@ class Server:
 
     async def health(self, _: web.Request) -> web.Response:
         busy = {"active": sum(s is not None for s in self.scheduler.slots), "waiting": len(self.scheduler.waiting),
-                "slots": self.engine.slots}
+                "slots": self.engine.slots, "compiles": [[c.name, *c.shape] for c in self.engine.compiles]}
         if self.failed or self.draining:
             status = f"failed: {self.failed}" if self.failed else "draining"
             return web.json_response({"status": status, **busy}, status=503)
@@ -244,3 +245,6 @@ def serve(engine: Engine, model_name: str, host: str, port: int, limits: Limits,
     web.run_app(server.app(), host=host, port=port, shutdown_timeout=drain_s + 5, handle_signals=True,
                 print=lambda _: print(f"jzero: serving {model_name} on http://{host}:{port} "
                                       f"({engine.slots} slots); SIGTERM or Ctrl-C stops it", flush=True))
+    seconds = sum(c.seconds for c in engine.compiles)
+    print(f"jzero: serve compiled {len(engine.compiles)} programs ({seconds:.1f} s): "
+          + ", ".join(f"{c.name}{list(c.shape) if c.shape else ''}" for c in engine.compiles), flush=True)
