@@ -233,7 +233,8 @@ def attention_row(smoke: bool) -> dict:
 def inference_row(smoke: bool) -> dict:
     """The KV-cached engine on a 350M GPT in bf16 (random weights): ms per decode step and
     tokens/s at 1, 8 and 32 slots, weights on the device and in host memory (ZeRO-Inference),
-    and int8 weights on the device; the device's peak bytes of each."""
+    and int8 weights on the device; the compiled decode step's argument (device and host) and
+    temporary bytes of each."""
     import jax
     import jax.numpy as jnp
 
@@ -259,9 +260,11 @@ def inference_row(smoke: bool) -> dict:
                     step.tokens.block_until_ready()
                     times.append(time.perf_counter() - t0)
                 ms = 1e3 * sorted(times[2:])[len(times[2:]) // 2]
-                stats = jax.devices()[0].memory_stats() or {}
+                mem = eng.executable("generate").memory_analysis()
                 row[f"{label}/{slots}"] = {"ms_per_step": ms, "tokens_per_s": slots / ms * 1e3,
-                                           "peak_gib": stats.get("peak_bytes_in_use", 0) / 2**30}
+                                           "arguments_gib": mem.argument_size_in_bytes / 2**30,
+                                           "host_arguments_gib": mem.host_argument_size_in_bytes / 2**30,
+                                           "temp_gib": mem.temp_size_in_bytes / 2**30}
                 del eng, state, prefix
             except Exception as e:  # one variant failing is its result
                 row[f"{label}/{slots}"] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
