@@ -250,11 +250,13 @@ def _accumulated_grads(state: TrainState, stored: Any, batch: Any, rng: jax.Arra
                 return loss, aux, jax.tree.map(jnp.add, acc, grads), ms
             return loss, aux, hooks.add_gradients(acc, grads, acc_grads), ms
 
+        zeros = jax.tree.map(lambda t: jnp.zeros_like(t, pol.grad_accum_dtype), targets)
         if accum == 1:
-            loss, aux, acc, model_state = grad_fn(rows, rng, None, model_state)
+            per_layer = hooked is None and pol.compute_dtype != jnp.float32  # a cast to move into the stack
+            loss, aux, acc, model_state = (_cast_per_layer(grad_fn, rows, rng, zeros, model_state) if per_layer
+                                           else grad_fn(rows, rng, None, model_state))
         else:
             micro = jax.tree.map(lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:]), rows)
-            zeros = jax.tree.map(lambda t: jnp.zeros_like(t, pol.grad_accum_dtype), targets)
             loss0 = jax.lax.pcast(jnp.zeros((), jnp.float32), DATA_AXES, to="varying")  # a local sum
             loss, aux, acc, model_state = _sum_over_micro_batches(
                 grad_fn, micro, rng, (zeros, loss0, jax.tree.map(hooks.vary, model_state)))
@@ -269,6 +271,19 @@ def _accumulated_grads(state: TrainState, stored: Any, batch: Any, rng: jax.Arra
     return jax.shard_map(local, mesh=plan.mesh, in_specs=(*specs, P(DATA_AXES), P(), P(), P()),
                          out_specs=(P(), P(), specs[1], P()))(stored, _targets(state), batch, rng, scale,
                                                                state.model_state)
+
+
+def _cast_per_layer(grad_fn, rows: Any, rng: jax.Array, zeros: Any, model_state: Any):
+    """Stages 0-1 without accumulation: ``grad_fn`` with a zero accumulator bound to the layer
+    stacks, so each layer casts its own params to the compute dtype and its gradient leaves the
+    backward in fp32 layer by layer, fused with the layer's (as a hand-written step's per-layer
+    cast is) rather than one stacked 16-bit gradient converted after the scan. A loss that reads
+    stacked params outside `scan_layers` cannot bind them: it gets the plain path (the whole tree
+    cast before the loss), as before."""
+    try:
+        return grad_fn(rows, rng, zeros, model_state)
+    except hooks.StackedOutsideScan:
+        return grad_fn(rows, rng, None, model_state)
 
 
 def _stop_frozen(targets: Any, frozen: Any) -> Any:

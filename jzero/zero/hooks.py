@@ -116,11 +116,15 @@ class HookContext:
     used: set[int] = field(default_factory=set)  # ids of bound leaves a layer stack consumed
 
 
+class StackedOutsideScan(ValueError):
+    """A loss read params under a "stacked" key other than through `scan_layers`."""
+
+
 def check_used(ctx: HookContext) -> None:
-    """ValueError unless every bound stacked leaf reached a layer stack: one the model used any
-    other way would get no gradient (or, at stage 3, a placeholder)."""
+    """`StackedOutsideScan` unless every bound stacked leaf reached a layer stack: one the model
+    used any other way would get no gradient (or, at stage 3, a placeholder)."""
     if set(ctx.bound) - ctx.used:
-        raise ValueError("params under a 'stacked' key must be used through jzero.scan_layers inside the loss: "
+        raise StackedOutsideScan("params under a 'stacked' key must be used through jzero.scan_layers inside the loss: "
                          "at ZeRO stages 2-3 (and 0-1 with gradient accumulation) the step hands them to the "
                          "layer stack's hooks, not to other code")
 
