@@ -253,8 +253,7 @@ def _accumulated_grads(state: TrainState, stored: Any, batch: Any, rng: jax.Arra
         zeros = jax.tree.map(lambda t: jnp.zeros_like(t, pol.grad_accum_dtype), targets)
         if accum == 1:
             per_layer = hooked is None and pol.compute_dtype != jnp.float32  # a cast to move into the stack
-            loss, aux, acc, model_state = (_cast_per_layer(grad_fn, rows, rng, zeros, model_state) if per_layer
-                                           else grad_fn(rows, rng, None, model_state))
+            loss, aux, acc, model_state = _one_batch(grad_fn, rows, rng, zeros if per_layer else None, model_state)
         else:
             micro = jax.tree.map(lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:]), rows)
             loss0 = jax.lax.pcast(jnp.zeros((), jnp.float32), DATA_AXES, to="varying")  # a local sum
@@ -273,13 +272,15 @@ def _accumulated_grads(state: TrainState, stored: Any, batch: Any, rng: jax.Arra
                                                                state.model_state)
 
 
-def _cast_per_layer(grad_fn, rows: Any, rng: jax.Array, zeros: Any, model_state: Any):
-    """Stages 0-1 without accumulation: ``grad_fn`` with a zero accumulator bound to the layer
-    stacks, so each layer casts its own params to the compute dtype and its gradient leaves the
-    backward in fp32 layer by layer, fused with the layer's (as a hand-written step's per-layer
-    cast is) rather than one stacked 16-bit gradient converted after the scan. A loss that reads
-    stacked params outside `scan_layers` cannot bind them: it gets the plain path (the whole tree
-    cast before the loss), as before."""
+def _one_batch(grad_fn, rows: Any, rng: jax.Array, zeros: Any, model_state: Any):
+    """``grad_fn`` of one batch. Given ``zeros`` (stages 0-1 in 16 bits), with that zero
+    accumulator bound to the layer stacks, so each layer casts its own params to the compute
+    dtype and its gradient leaves the backward in fp32 layer by layer, fused with the layer's (as
+    a hand-written step's per-layer cast is) rather than one stacked 16-bit gradient converted
+    after the scan. A loss that reads stacked params outside `scan_layers` cannot bind them: it
+    gets the plain path (the whole tree cast before the loss), as before."""
+    if zeros is None:
+        return grad_fn(rows, rng, None, model_state)
     try:
         return grad_fn(rows, rng, zeros, model_state)
     except hooks.StackedOutsideScan:
