@@ -8,12 +8,9 @@ and prints ids.
 from __future__ import annotations
 
 import argparse
-import codecs
 import sys
 
 from jzero.cli.common import UsageError, add_config_arguments, config_on_devices
-
-BYTE_VOCAB = 256
 
 
 def add_weights_arguments(parser: argparse.ArgumentParser) -> None:
@@ -73,11 +70,13 @@ def engine_from(args: argparse.Namespace, slots: int | None = None) -> tuple:
 
 def prompt_tokens(vocab_size: int, text: str | None, ids: list[int] | None) -> list[int]:
     """The prompt as token ids: UTF-8 bytes of ``text`` for a byte-level model, else ``ids``."""
+    from jzero.inference.text import encode
+
     if text is not None:
-        if vocab_size != BYTE_VOCAB:
-            raise UsageError(f"--prompt: text needs a byte-level model (vocab {BYTE_VOCAB}); this one has vocab "
-                             f"{vocab_size}: pass --prompt-ids")
-        return list(text.encode("utf-8"))
+        try:
+            return encode(text, vocab_size)
+        except ValueError as e:
+            raise UsageError(f"--prompt: {e} (--prompt-ids)") from None
     bad = [i for i in ids if not 0 <= i < vocab_size]
     if bad:
         raise UsageError(f"--prompt-ids: {bad[0]} is outside the vocabulary 0..{vocab_size - 1}")
@@ -87,6 +86,7 @@ def prompt_tokens(vocab_size: int, text: str | None, ids: list[int] | None) -> l
 def run(args: argparse.Namespace) -> int:
     from jzero.inference import sampling
     from jzero.inference.scheduler import Request, stream
+    from jzero.inference.text import Detokenizer
 
     _, eng = engine_from(args)
     tokens = prompt_tokens(eng.decoder.vocab_size, args.prompt, args.prompt_ids)
@@ -95,12 +95,11 @@ def run(args: argparse.Namespace) -> int:
                           seed=args.seed, stop=args.stop).checked(eng.decoder.max_len)
     except ValueError as e:
         raise UsageError(f"--{str(e).replace('_', '-')}") from None
-    text = eng.decoder.vocab_size == BYTE_VOCAB
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    if text:
+    words = Detokenizer(eng.decoder.vocab_size)
+    if args.prompt is not None:
         sys.stdout.write(args.prompt)
     for token in stream(eng, request):
-        sys.stdout.write(decoder.decode(bytes([token])) if text else f"{token} ")
+        sys.stdout.write(words.piece(token))
         sys.stdout.flush()
-    sys.stdout.write(decoder.decode(b"", final=True) + "\n")
+    sys.stdout.write(words.flush() + "\n")
     return 0

@@ -1,4 +1,4 @@
-"""Inference: generation from trained params. `sampling` (greedy, temperature, top-k, top-p, one
-key per row); the KV-cached engine, scheduler and server come next (issue 34).
+"""Inference: generation from trained params. `engine` (KV-cached prefill/insert/generate),
+`scheduler` (continuous batching), `storage`, `sampling`, `text`, `uncached` (the reference).
 Imports the layers below it: config, zero, models, train.
 """

@@ -165,7 +165,8 @@ class Engine:
         self.buckets = buckets(self.chunk, min(self.min_bucket, self.chunk))
         mesh = Mesh(np.array(local[: self.devices]), ("slots",))
         self._replicated, self._by_slot = NamedSharding(mesh, P()), NamedSharding(mesh, P("slots"))
-        self._by_slot_cache = NamedSharding(mesh, P(None, "slots"))
+        cache, slot = NamedSharding(mesh, P(None, "slots")), self._by_slot
+        self._state_layout = DecodeState(KVCache(cache, cache), slot, slot, slot, slot, (slot,) * 3, slot)
         if self.int8_block < 0:
             raise ValueError(f"engine int8_block: must be >= 0 (0: unquantized), got {self.int8_block}")
         self.fetch = storage.fetcher(self.weights, self.dtype, mesh)
@@ -181,7 +182,7 @@ class Engine:
         state = DecodeState(self.decoder.cache(n, self.dtype), jnp.zeros((n,), jnp.int32), jnp.zeros((n,), jnp.int32),
                             jnp.zeros((n,), jnp.int32), jax.random.split(jax.random.key(0), n),
                             sampling.as_arrays([sampling.SamplingParams()] * n), jnp.zeros((n,), bool))
-        return jax.device_put(state, self._state_sharding(state))
+        return jax.device_put(state, self._state_layout)
 
     def start(self, settings: sampling.SamplingParams, seed: int) -> Prefix:
         """An empty prefix for a request sampled with ``settings`` from ``seed``."""
@@ -217,19 +218,19 @@ class Engine:
         if not 0 <= slot < self.slots:
             raise ValueError(f"insert: slot {slot} is not in 0..{self.slots - 1}")
         run = self._compiled("insert", (), insert_step, (prefix, state, np.int32(slot)),
-                             self._state_sharding(state), donate=(1,))
+                             self._state_layout, donate=(1,))
         return run(prefix, state, np.int32(slot))
 
     def generate(self, state: DecodeState) -> tuple[DecodeState, Step]:
         """One token for every active slot."""
         run = self._compiled("generate", (), functools.partial(generate_step, self.decoder, self.fetch),
-                             (self.params, state), (self._state_sharding(state), Step(self._by_slot, self._by_slot)),
+                             (self.params, state), (self._state_layout, Step(self._by_slot, self._by_slot)),
                              donate=(1,))
         return run(self.params, state)
 
     def retire(self, state: DecodeState, slot: int) -> DecodeState:
         """``state`` with ``slot`` idle (its cache is overwritten by the next insert)."""
-        run = self._compiled("retire", (), retire_step, (state, np.int32(slot)), self._state_sharding(state),
+        run = self._compiled("retire", (), retire_step, (state, np.int32(slot)), self._state_layout,
                              donate=(0,))
         return run(state, np.int32(slot))
 
@@ -239,10 +240,6 @@ class Engine:
         return self._executables[(name, shape)]
 
     # --- compilation -----------------------------------------------------------------------------
-    def _state_sharding(self, state: DecodeState) -> DecodeState:
-        by_slot = jax.tree.map(lambda _: self._by_slot, state._replace(cache=None))
-        return by_slot._replace(cache=KVCache(self._by_slot_cache, self._by_slot_cache))
-
     def _compiled(self, name: str, shape: tuple[int, ...], fn: Callable, args: tuple, out_shardings: Any,
                   donate: tuple[int, ...]) -> Any:
         key = (name, shape)

@@ -20,7 +20,6 @@ one over the size limit, 422 naming the field for a value out of range.
 from __future__ import annotations
 
 import asyncio
-import codecs
 import itertools
 import json
 import queue
@@ -33,11 +32,10 @@ from typing import Any
 
 from aiohttp import web
 
-from jzero.inference import sampling
+from jzero.inference import sampling, text
 from jzero.inference.engine import Engine
 from jzero.inference.scheduler import Event, Request, Scheduler
 
-BYTE_VOCAB = 256
 FINISH = {"length": "length", "context": "length", "stop": "stop"}  # ours -> OpenAI's finish_reason
 
 
@@ -66,9 +64,10 @@ def parse(body: Any, vocab_size: int, max_len: int, limits: Limits) -> tuple[Req
         raise FieldError("body: expected a JSON object")
     prompt = body.get("prompt")
     if isinstance(prompt, str):
-        if vocab_size != BYTE_VOCAB:
-            raise FieldError(f"prompt: text needs a byte-level model (vocab {BYTE_VOCAB}); send token ids")
-        tokens = list(prompt.encode("utf-8"))
+        try:
+            tokens = text.encode(prompt, vocab_size)
+        except ValueError as e:
+            raise FieldError(f"prompt: {e}") from None
     elif isinstance(prompt, list) and all(isinstance(t, int) and 0 <= t < vocab_size for t in prompt):
         tokens = prompt
     else:
@@ -188,14 +187,14 @@ class Server:
                                                        "finish_reason": finish}]}
 
     async def _whole(self, request: Request, events: asyncio.Queue) -> web.Response:
-        text, tokens = _Text(self.engine.decoder.vocab_size), []
+        words, tokens = text.Detokenizer(self.engine.decoder.vocab_size), []
         while True:
             event = await events.get()
             if event is None:
                 return _error(503, "the server shut down before the completion finished")
             tokens.append(event.token)
             if event.finished:
-                body = self._chunk(request, text.of(tokens), tokens, FINISH[event.finished])
+                body = self._chunk(request, words.of(tokens), tokens, FINISH[event.finished])
                 body["seed"] = request.seed
                 body["usage"] = {"prompt_tokens": len(request.prompt), "completion_tokens": len(tokens),
                                  "total_tokens": len(request.prompt) + len(tokens)}
@@ -204,13 +203,14 @@ class Server:
     async def _stream(self, http: web.Request, request: Request, events: asyncio.Queue) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(http)
-        text = _Text(self.engine.decoder.vocab_size)
+        words = text.Detokenizer(self.engine.decoder.vocab_size)
         while True:
             event = await events.get()
             if event is None:
                 await response.write(b'data: {"error": "the server shut down before the completion finished"}\n\n')
                 break
-            chunk = self._chunk(request, text.piece(event.token, final=bool(event.finished)), [event.token],
+            piece = words.piece(event.token) + (words.flush() if event.finished else "")
+            chunk = self._chunk(request, piece, [event.token],
                                 FINISH.get(event.finished))
             await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
             if event.finished:
@@ -218,21 +218,6 @@ class Server:
                 break
         await response.write_eof()
         return response
-
-
-class _Text:
-    """Tokens as text: UTF-8 bytes for a byte-level model (a character split over tokens comes
-    out whole, with its last byte), space-separated ids otherwise."""
-
-    def __init__(self, vocab_size: int):
-        self.bytes = vocab_size == BYTE_VOCAB
-        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-
-    def of(self, tokens: list[int]) -> str:
-        return bytes(tokens).decode("utf-8", errors="replace") if self.bytes else " ".join(map(str, tokens))
-
-    def piece(self, token: int, final: bool) -> str:
-        return self.decoder.decode(bytes([token]), final=final) if self.bytes else f"{token} "
 
 
 def _error(status: int, message: str) -> web.Response:
