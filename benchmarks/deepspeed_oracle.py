@@ -160,7 +160,8 @@ def torch_gpt(params: dict[str, np.ndarray], model: dict):
             layer = "blocks.stacked."
             for i in range(self.p(layer + "qkv.kernel").shape[0]):
                 h = self.ln(x, layer + "ln1", i)
-                q, k, v = (h @ self.p(layer + "qkv.kernel")[i]).view(b, t, 3 * heads, hd).split(heads, dim=2)
+                qkv = h @ self.p(layer + "qkv.kernel")[i].reshape(d, 3 * d)  # stored [d, 3, d]
+                q, k, v = qkv.view(b, t, 3 * heads, hd).split(heads, dim=2)
                 scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(hd)
                 probs = torch.softmax(torch.where(causal, scores, torch.tensor(-1e30, dtype=scores.dtype)), -1)
                 attn = torch.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, d)

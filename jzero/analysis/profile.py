@@ -12,7 +12,7 @@ import math
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -201,6 +201,31 @@ def comm(compiled: Any) -> CommReport:
                                 groups=hlo.replica_groups(inst.line), widened_to=dtype if requested else None,
                                 op_name=op_name.group(1) if op_name else ""))
     return CommReport(tuple(found))
+
+
+def axes_of(group: tuple[int, ...], mesh: Any) -> tuple[str, ...]:
+    """The mesh axes a collective's group spans: those along which its devices' coordinates
+    differ (ids are positions in the mesh's device order, as the partitioned program numbers them)."""
+    coords = np.array(np.unravel_index(list(group), mesh.devices.shape))
+    return tuple(name for name, row in zip(mesh.axis_names, coords, strict=True) if len(set(row.tolist())) > 1)
+
+
+class AxisTraffic(NamedTuple):
+    count: int  # executions per step
+    elements: int  # result elements per device, summed over executions
+
+
+def by_axes(report: CommReport, mesh: Any) -> dict[tuple[str, tuple[str, ...]], AxisTraffic]:
+    """``{(kind, mesh axes): AxisTraffic}`` of every collective whose group the HLO lists: which
+    collectives run over the tensor group, the sequence group, the ZeRO group."""
+    out: dict[tuple[str, tuple[str, ...]], AxisTraffic] = {}
+    for c in report.collectives:
+        if c.group_size <= 1 or not c.groups:
+            continue
+        key = (c.kind, axes_of(c.groups[0], mesh))
+        old = out.get(key, AxisTraffic(0, 0))
+        out[key] = AxisTraffic(old.count + c.count, old.elements + c.elements * c.count)
+    return out
 
 
 # ------------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """Config: typed, frozen configuration with DeepSpeed's key names. The schema (here, `model`,
-`attention`), its parser (`typed`), DeepSpeed's elasticity arithmetic (`elastic`), the checker of
+`attention`, `parallel`), its parser (`typed`), DeepSpeed's elasticity arithmetic (`elastic`), the checker of
 `{param: default}` tables (`paramtable`), HF's "auto" (`hf`). The bottom layer: imports no jzero module outside it.
 
 `typed` and `elastic` import no jzero module at all, so every module can read a `Config` and raise
@@ -20,10 +20,12 @@ from typing import Any, Literal
 from jzero.config.attention import AttentionConfig, SparseAttentionConfig
 from jzero.config.elastic import micro_batch, v01, v02
 from jzero.config.model import ModelConfig
+from jzero.config.parallel import TensorParallelConfig, TPLayerSpec, data_devices, model_parallel_size
 from jzero.config.typed import AUTO, ConfigError, ConfigWarning, auto_field, parse, read_json, to_dict, unknown
 
 __all__ = ["AUTO", "AttentionConfig", "ConfigError", "ConfigWarning", "ModelConfig",  # re-exported
-           "SparseAttentionConfig", "read_json", "unknown"]
+           "SparseAttentionConfig", "TPLayerSpec", "TensorParallelConfig", "data_devices", "model_parallel_size",
+           "read_json", "unknown"]
 
 
 # ---- Sections (the model's live in `model`, the attention ones in `attention`) --------------
@@ -137,6 +139,7 @@ class MeshConfig:
 
     devices: int | None = None
     fsdp: int | None = None
+    megatron_sequence_parallel: bool = False  # tensor group also splits the sequence outside the matmuls
 
 
 @dataclass(frozen=True)
@@ -291,6 +294,8 @@ class Config:
     csv_monitor: MonitorConfig = field(default_factory=MonitorConfig)
     moe: MoEConfig | None = None
     sparse_attention: SparseAttentionConfig | None = None
+    tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
+    sequence_parallel_size: int = 1  # DeepSpeed-Ulysses: devices splitting each sequence
     elasticity: ElasticityConfig = field(default_factory=ElasticityConfig)
     jzero: JzeroConfig = field(default_factory=JzeroConfig)
     # Resolution record (not user keys).
@@ -321,7 +326,7 @@ def parse_config(raw: Mapping[str, Any], dp_size: int | None = None) -> Config:
     ``AUTO`` until the model is known (`with_hidden_size`)."""
     cfg = parse(Config, raw, "")
     if dp_size is None:
-        dp_size = cfg.jzero.mesh.devices or _device_count()
+        dp_size = data_devices(cfg, cfg.jzero.mesh.devices or _device_count())
     batch = {k: None for k in ("train_batch_size", "train_micro_batch_size_per_gpu",
                                "gradient_accumulation_steps") if getattr(cfg, k) == AUTO}
     cfg = dataclasses.replace(cfg, **batch)

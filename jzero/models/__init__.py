@@ -32,7 +32,28 @@ def validate(config: Config) -> None:
         raise ConfigError(f"sparse_attention: only the gpt model takes a sparse layout, not "
                           f"{config.jzero.model.name!r} (its sequence need not be whole blocks)")
     attention.check_settings(config.jzero.model.attention)
-    build(config)
+    check_split(config, build(config).spec)
+
+
+def check_split(config: Config, spec: object) -> None:
+    """ConfigError naming the key when tensor or sequence parallelism cannot split the model:
+    Ulysses needs token sequences (the GPT's), and each device takes whole heads."""
+    tp, sp, name = config.tensor_parallel.size, config.sequence_parallel_size, config.jzero.model.name
+    if sp > 1 and name != "gpt":
+        raise ConfigError(f"sequence_parallel_size: {sp} splits token sequences; the {name!r} model has none "
+                          "(only jzero.model.name 'gpt')")
+    heads = getattr(spec, "n_heads", None)
+    if heads is not None and heads % tp:
+        raise ConfigError(f"tensor_parallel.autotp_size: {tp} does not divide jzero.model.n_heads {heads} "
+                          "(each device of a tensor group takes whole heads)")
+    if heads is not None and heads % (tp * sp):
+        raise ConfigError(f"sequence_parallel_size: {sp} x tensor_parallel.autotp_size {tp} does not divide "
+                          f"jzero.model.n_heads {heads} (Ulysses gives each device whole heads)")
+    split = sp * (tp if config.jzero.mesh.megatron_sequence_parallel else 1)
+    seq_len = getattr(spec, "seq_len", None)
+    if split > 1 and seq_len is not None and seq_len % split:
+        raise ConfigError(f"sequence_parallel_size: the {split} token shards do not divide jzero.model.seq_len "
+                          f"{seq_len}")
 
 
 __all__ = ["MODELS", "Model", "build", "validate"]

@@ -28,6 +28,7 @@ from jzero.models.base import Model, from_section
 from jzero.models.kvcache import Decoder, Decoding, KVCache
 from jzero.models.layers import scan_layers
 from jzero.models.moe import MoE, MoESpec, MoEStats, spec_from_config
+from jzero.zero import modelaxes
 
 
 @dataclass(frozen=True)
@@ -118,12 +119,15 @@ class Block(nn.Module):
             x, stats = x
         b, t, d = x.shape
         hd = d // cfg.n_heads
+        x = modelaxes.residual(x)
         with jax.named_scope("attention"):  # scope names: `jzero profile` attributes FLOPs by them
             h = nn.LayerNorm(name="ln1")(x)
             # No qkv bias: the key bias has an exactly zero gradient (softmax is shift-invariant),
-            # so Adam would only amplify rounding noise in it.
-            qkv = checkpoint_name(nn.Dense(3 * d, use_bias=False, kernel_init=_init, name="qkv")(h), "qkv")
-            q, k, v = jnp.split(qkv.reshape(b, t, 3 * cfg.n_heads, hd), 3, axis=2)
+            # so Adam would only amplify rounding noise in it. The kernel is [d, 3, d], so a
+            # column split of its last dim over a tensor group gives each device whole heads.
+            qkv = nn.DenseGeneral((3, d), use_bias=False, kernel_init=_init, name="qkv")(h)
+            qkv = checkpoint_name(qkv.reshape(b, t, 3, cfg.n_heads, hd), "qkv")
+            q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
             if cfg.positions == "rotary":
                 q, k = _rotary(q, positions), _rotary(k, positions)
             if decode is None:
@@ -135,7 +139,7 @@ class Block(nn.Module):
                 attn = attention.configured(q, keys.astype(q.dtype), values.astype(q.dtype), causal=False,
                                             settings=cfg.attention, mask=decode.visible())
             attn = checkpoint_name(attn.reshape(b, t, d), "attn_out")
-            x = x + nn.Dense(d, kernel_init=_init, name="proj")(attn)
+            x = modelaxes.residual(x + nn.Dense(d, kernel_init=_init, name="proj")(attn))
         with jax.named_scope("mlp"):
             h = nn.LayerNorm(name="ln2")(x)
             if self.moe is not None:

@@ -47,8 +47,6 @@ UNSUPPORTED_SECTIONS = {
     "wandb": "Weights & Biases monitoring is not implemented; use tensorboard or csv_monitor",
     "comet": "Comet monitoring is not implemented; use tensorboard or csv_monitor",
     "hybrid_engine": "the RLHF hybrid engine is not implemented",
-    "sequence_parallel_size": "sequence parallelism is not implemented",
-    "tensor_parallel": "DeepSpeed AutoTP is not implemented; give the model PartitionSpecs instead",
 }
 # Diagnostics sections accepted as no-ops (warned once).
 NOOP_SECTIONS = {"flops_profiler", "comms_logger", "autotuning", "checkpoint", "gradient_predivide",
@@ -78,6 +76,7 @@ def load_config(source: str | os.PathLike | Mapping[str, Any], *, dp_size: int |
         warnings.warn(f"jzero ignores these DeepSpeed sections (no effect under XLA): {', '.join(noops)}",
                       ConfigWarning, stacklevel=2)
     _check_ranges(cfg)
+    _check_model_parallel(cfg)
     remat.validate(cfg.jzero.remat)
     models.validate(cfg)
     moe.validate(cfg)
@@ -127,6 +126,33 @@ def _check_elasticity_keys(raw: Mapping[str, Any]) -> None:
         for key in ("max_train_batch_size", "micro_batch_sizes"):
             if key not in section:
                 raise ConfigError(f"elasticity.{key}: required when elasticity is enabled (DeepSpeed has no default)")
+
+
+def _check_model_parallel(cfg: Config) -> None:
+    """ConfigError naming the key when tensor or sequence parallelism meets what it does not
+    compose with: MoE (experts split over the data devices only), ZeRO++'s int8 wire and
+    offload (both flatten or move whole shards, which the compiler's model axes would gather)."""
+    tp, sp, zero = cfg.tensor_parallel, cfg.sequence_parallel_size, cfg.zero_optimization
+    if tp.autotp_size < 0:
+        raise ConfigError(f"tensor_parallel.autotp_size: must be >= 0 (0 or 1: off), got {tp.autotp_size}")
+    if sp < 1:
+        raise ConfigError(f"sequence_parallel_size: must be >= 1, got {sp}")
+    if cfg.jzero.mesh.megatron_sequence_parallel and tp.size == 1:
+        raise ConfigError("jzero.mesh.megatron_sequence_parallel: splits the tensor group's tokens; it needs "
+                          "tensor_parallel.autotp_size > 1")
+    if tp.size * sp == 1:
+        return
+    key = "tensor_parallel.autotp_size" if tp.size > 1 else "sequence_parallel_size"
+    refused = [("moe", cfg.moe is not None, "experts are split over the data devices only"),
+               ("zero_optimization.zero_quantized_weights", zero.zero_quantized_weights, "int8 blocks flatten a "
+                "shard"), ("zero_optimization.zero_quantized_gradients", zero.zero_quantized_gradients,
+                           "int8 blocks flatten a shard"),
+               ("zero_optimization.offload_optimizer", zero.offload_optimizer.device != "none", "not with a split "
+                "model"), ("zero_optimization.offload_param", zero.offload_param.device != "none",
+                           "not with a split model")]
+    for other, on, why in refused:
+        if on:
+            raise ConfigError(f"{key}: not with {other} ({why})")
 
 
 def _enabled(value: Any) -> bool:

@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 
 from jzero.config import Config, ConfigError
 from jzero.train.resolve import offload_kinds, resolve_auto_sizes
-from jzero.zero import groups, modelstate, optim, precision, sharding, treepath
+from jzero.zero import autotp, groups, modelstate, optim, precision, sharding, treepath
 from jzero.zero.mesh import data_parallel_size, make_mesh
 
 LossFn = Callable[[Any, Any, jax.Array], Any]
@@ -179,6 +179,7 @@ def _prepare(init_fn, config, rng, mesh, model_specs, tx) -> _Prepared:
         raise ConfigError("init_fn returned no parameters (an empty pytree)")
     config = resolve_auto_sizes(config, params_shape)
     tx = optim.build(config).tx if tx is None else groups.wrap(config, lambda _: tx)  # frozen leaves kept
+    model_specs = autotp.model_specs(config, params_shape) if model_specs is None else model_specs
     offload, offload_params = offload_kinds(config.zero_optimization)
     plan = sharding.plan(params_shape, tx, mesh, config.zero_optimization.stage,
                          persistence_threshold=config.zero_optimization.stage3_param_persistence_threshold,

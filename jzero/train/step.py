@@ -23,8 +23,8 @@ from jax.experimental.compute_on import compute_on
 from jax.sharding import PartitionSpec as P
 
 from jzero.train.state import TrainState
-from jzero.zero import buckets, dots, fused, groups, hooks, modelstate, optim, phase, precision, treepath
-from jzero.zero.mesh import DATA_AXES, data_parallel_size
+from jzero.zero import buckets, dots, fused, groups, hooks, modelaxes, modelstate, optim, phase, precision, treepath
+from jzero.zero.mesh import DATA_AXES, data_parallel_size, model_parallel, over_data
 from jzero.zero.rows import split_over
 from jzero.zero.sharding import ZERO_RULES
 
@@ -159,7 +159,7 @@ def _loss_and_aux(state: TrainState, params: Any, batch: Any, rng: jax.Array, sc
     new value: ``(loss x scale, (loss, aux, new model state or None))``."""
     if ctx is None:
         params = precision.cast_floating(params, precision.policy(state.config).compute_dtype)
-    with hooks.active(ctx), split_over(DATA_AXES):
+    with hooks.active(ctx), split_over(DATA_AXES), modelaxes.active(model_axes(state.config)):
         if model_state is None:
             out, new_state = state.loss_fn(params, batch, rng), None
         else:
@@ -267,9 +267,8 @@ def _accumulated_grads(state: TrainState, stored: Any, batch: Any, rng: jax.Arra
                 modelstate.synchronized(model_state, DATA_AXES))
 
     specs = jax.tree.map(lambda s: s.spec, (plan.compute, plan.grads))
-    return jax.shard_map(local, mesh=plan.mesh, in_specs=(*specs, P(DATA_AXES), P(), P(), P()),
-                         out_specs=(P(), P(), specs[1], P()))(stored, _targets(state), batch, rng, scale,
-                                                               state.model_state)
+    return over_data(local, plan.mesh, in_specs=(*specs, P(DATA_AXES), P(), P(), P()),
+                     out_specs=(P(), P(), specs[1], P()))(stored, _targets(state), batch, rng, scale, state.model_state)
 
 
 def _one_batch(grad_fn, rows: Any, rng: jax.Array, zeros: Any, model_state: Any):
@@ -337,7 +336,14 @@ def wire(cfg: Any, mesh: Any) -> hooks.Wire:
     unfolded where ``mesh``'s backend needs it (`jzero.zero.dots`)."""
     pol, zero, block = precision.policy(cfg), cfg.zero_optimization, cfg.jzero.quantization_block_size
     return hooks.Wire(pol.compute_dtype, pol.comm_dtype, block if zero.zero_quantized_weights else None,
-                      block if zero.zero_quantized_gradients else None, dots.applies(mesh.devices.flat[0].platform))
+                      block if zero.zero_quantized_gradients else None, dots.applies(mesh.devices.flat[0].platform),
+                      leafwise=model_parallel(mesh))
+
+
+def model_axes(cfg: Any) -> modelaxes.ModelAxes:
+    """The config's model axes: the activation layout the loss is traced under."""
+    return modelaxes.ModelAxes(cfg.sequence_parallel_size, cfg.tensor_parallel.size,
+                               cfg.jzero.mesh.megatron_sequence_parallel)
 
 
 def _check_batch(batch: Any, expected: int) -> None:
@@ -361,5 +367,5 @@ def eval_step(state: TrainState, batch: Any) -> jax.Array:
         return jax.lax.pmean(loss, DATA_AXES)
 
     specs = jax.tree.map(lambda s: s.spec, (plan.compute, plan.grads))
-    return jax.shard_map(local, mesh=plan.mesh, in_specs=(*specs, P(DATA_AXES), P()), out_specs=P())(
+    return over_data(local, plan.mesh, in_specs=(*specs, P(DATA_AXES), P()), out_specs=P())(
         _compute_params(state), _targets(state), batch, state.model_state)

@@ -44,6 +44,15 @@ def reduce_scatter(gs: Sequence[jax.Array], dims: Sequence[int], scatter: tuple[
     return [p.reshape(shard_shape(g.shape, d, n)) for p, g, d in zip(pieces, gs, dims, strict=True)]
 
 
+def reduce_scatter_each(gs: Sequence[jax.Array], dims: Sequence[int], scatter: tuple[str, ...],
+                        over: tuple[str, ...]) -> list[jax.Array]:
+    """`reduce_scatter` one collective a leaf, each along its own dimension, never reshaped: a
+    leaf split over a model axis the compiler partitions cannot be flattened into a bucket (the
+    compiler would gather it whole first)."""
+    out = [jax.lax.psum_scatter(g, scatter, scatter_dimension=d, tiled=True) for g, d in zip(gs, dims, strict=True)]
+    return all_reduce(out, over)
+
+
 def all_gather(shard: jax.Array, dim: int, axes: tuple[str, ...]) -> jax.Array:
     """The full array from its chunks along ``dim`` over ``axes``: gathered device-major, then
     each device's chunk put in place."""

@@ -106,6 +106,7 @@ class Wire(NamedTuple):
     weights: int | None = None
     grads: int | None = None
     unfold: bool = False  # keep weight-gradient dots out of XLA:CPU's slow form (`jzero.zero.dots`)
+    leafwise: bool = False  # the model axes are the compiler's: reduce leaf by leaf, never flattened
 
 
 @dataclass(frozen=True, eq=False)
@@ -190,8 +191,10 @@ def reduce(cts: Sequence[jax.Array], reds: Sequence[Reduce], wire: Wire) -> list
             shared.setdefault((red.dim is None, red.scatter, red.over), []).append(i)
     for (whole, scatter, over), idx in shared.items():
         gs = [cts[i].astype(wire.comm) for i in idx]
+        dims = [reds[i].dim for i in idx]
         summed = (buckets.all_reduce(gs, over) if whole
-                  else buckets.reduce_scatter(gs, [reds[i].dim for i in idx], scatter, over))
+                  else buckets.reduce_scatter_each(gs, dims, scatter, over) if wire.leafwise
+                  else buckets.reduce_scatter(gs, dims, scatter, over))
         for i, g in zip(idx, summed, strict=True):
             out[i] = g.astype(jnp.float32)
     return out

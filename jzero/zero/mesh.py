@@ -1,4 +1,7 @@
-"""The device mesh: axes ("replica", "fsdp", "expert"). Data parallelism spans all three.
+"""The device mesh: axes ("replica", "fsdp", "expert", "sequence", "tensor"). Data parallelism
+spans the first three; "sequence" (DeepSpeed-Ulysses) and "tensor" (Megatron / AutoTP) split
+each replica's model and activations, innermost (``tensor_parallel.autotp_size`` and
+``sequence_parallel_size`` devices, 1 each when off), so a tensor group is adjacent devices.
 
 ZeRO shards non-expert params over ("fsdp", "expert") -- the ZeRO group, every device when
 ``replica = 1`` -- and expert params over "fsdp" alone, since "expert" splits the experts
@@ -6,21 +9,27 @@ themselves (`jzero.zero.sharding`). ``moe.ep_size`` sizes "expert" (1 without Mo
 ``zero_hpz_partition_size = k > 1`` gives hierarchical partitioning (ZeRO++ hpZ / HSDP): a ZeRO
 group of k devices, replicated across ``replica``. Expert groups are contiguous devices, as in
 DeepSpeed. Axes are `AxisType.Auto` so GSPMD propagates shardings and `with_sharding_constraint`
-binds.
+binds. The data axes are jzero's own (the step's ``shard_map`` is manual over them); the model
+axes are the compiler's, steered by the params' specs (`jzero.zero.autotp`) and activation
+constraints (`jzero.zero.modelaxes`).
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
+from jax.sharding import PartitionSpec as P
 
-from jzero.config import Config, ConfigError
+from jzero.config import Config, ConfigError, data_devices
 
-REPLICA, FSDP, EXPERT = "replica", "fsdp", "expert"
-AXES = (REPLICA, FSDP, EXPERT)
-DATA_AXES = AXES  # the batch is split over every data-parallel device
+REPLICA, FSDP, EXPERT, SEQUENCE, TENSOR = "replica", "fsdp", "expert", "sequence", "tensor"
+DATA_AXES = (REPLICA, FSDP, EXPERT)  # the batch is split over every data-parallel device
+MODEL_AXES = (SEQUENCE, TENSOR)  # each replica's model split (trivial axes when off)
+AXES = DATA_AXES + MODEL_AXES
 
 
 def make_mesh(config: Config, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -33,17 +42,50 @@ def make_mesh(config: Config, devices: Sequence[jax.Device] | None = None) -> Me
                               f"are visible ({available[0].platform})")
         devices = available[:wanted]
     devices = list(devices)
-    n = len(devices)
+    n = data_devices(config, len(devices))
     zero, ep = fsdp_size(config, n), expert_size(config, n)
     if zero % ep:
         raise ConfigError(f"moe.ep_size: {ep} does not divide the ZeRO group of {zero} devices "
                           "(jzero.mesh.fsdp / zero_hpz_partition_size)")
-    grid = np.array(devices, dtype=object).reshape(n // zero, zero // ep, ep)
+    sp, tp = config.sequence_parallel_size, config.tensor_parallel.size
+    grid = np.array(devices, dtype=object).reshape(n // zero, zero // ep, ep, sp, tp)
     return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
 
+def model_parallel(mesh: Mesh) -> bool:
+    """Whether ``mesh`` splits the model (a non-trivial sequence or tensor axis)."""
+    return any(mesh.shape.get(a, 1) > 1 for a in MODEL_AXES)
+
+
+def manual_axes(mesh: Mesh) -> frozenset[str]:
+    """The axes the step's ``shard_map`` runs by hand: every axis, unless the model is split, when
+    the sequence and tensor axes are left to the compiler (a partial-manual ``shard_map``)."""
+    return frozenset(DATA_AXES if model_parallel(mesh) else mesh.axis_names)
+
+
+def data_spec(spec: P) -> P:
+    """``spec`` with the model axes dropped: what a ``shard_map`` over the data axes is told."""
+    def keep(entry):
+        axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        kept = tuple(a for a in axes if a not in MODEL_AXES)
+        return None if not kept else kept[0] if len(kept) == 1 else kept
+    entries = [keep(e) for e in spec]
+    while entries and entries[-1] is None:
+        entries.pop()
+    return P(*entries)
+
+
+def over_data(f, mesh: Mesh, in_specs: Any, out_specs: Any, **kwargs: Any):
+    """``jax.shard_map(f)`` manual over the data axes (`manual_axes`), the specs' model axes left
+    to the compiler."""
+    strip = functools.partial(jax.tree.map, data_spec, is_leaf=lambda x: isinstance(x, P))
+    return jax.shard_map(f, mesh=mesh, in_specs=strip(in_specs), out_specs=strip(out_specs),
+                         axis_names=manual_axes(mesh), **kwargs)
+
+
 def fsdp_size(config: Config, num_devices: int) -> int:
-    """ZeRO group size: jzero.mesh.fsdp, else zero_hpz_partition_size when > 1, else every device."""
+    """ZeRO group size of ``num_devices`` data devices: jzero.mesh.fsdp, else
+    zero_hpz_partition_size when > 1, else every one."""
     hpz = config.zero_optimization.zero_hpz_partition_size
     fsdp = config.jzero.mesh.fsdp or (hpz if hpz > 1 else num_devices)
     key = "jzero.mesh.fsdp" if config.jzero.mesh.fsdp else "zero_optimization.zero_hpz_partition_size"

@@ -50,7 +50,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jzero.config import ConfigWarning
-from jzero.zero.mesh import DATA_AXES, EXPERT, FSDP
+from jzero.zero.mesh import DATA_AXES, EXPERT, FSDP, SEQUENCE
 
 STACKED_KEY = "stacked"  # params under this key carry a leading stacked-layer dimension
 EXPERT_KEY = "experts"  # params under this key carry an expert dimension (after the stacked one)
@@ -141,10 +141,16 @@ def plan(params_shape: Any, tx: optax.GradientTransformation, mesh: Mesh, stage:
     replicated = NamedSharding(mesh, P())
     opt_state = opt_state_layout(tx, params_shape, update, in_memory(replicated, offload))
     return Plan(mesh=mesh, stage=stage, params=compute if offload is None else update, compute=compute,
-                grads=layout("grads"), update=update, opt_state=opt_state, batch=NamedSharding(mesh, P(DATA_AXES)),
+                grads=layout("grads"), update=update, opt_state=opt_state, batch=NamedSharding(mesh, batch_spec(mesh)),
                 replicated=replicated, offload=offload,
                 model_state=None if model_state_shape is None else jax.tree.map(lambda _: replicated,
                                                                                 model_state_shape))
+
+
+def batch_spec(mesh: Mesh) -> P:
+    """A batch leaf's layout: examples over the data axes, tokens (the second dimension) over
+    "sequence" when it is split (DeepSpeed-Ulysses)."""
+    return P(DATA_AXES, SEQUENCE) if mesh.shape[SEQUENCE] > 1 else P(DATA_AXES)
 
 
 def opt_state_layout(tx: optax.GradientTransformation, params_shape: Any, update: Any,

@@ -30,6 +30,7 @@ import numpy as np
 from jzero.config import AttentionConfig, ConfigError, SparseAttentionConfig
 from jzero.models.attention import layouts
 from jzero.models.attention.blockwise import blockwise_attention
+from jzero.zero import modelaxes
 
 
 def _normalized(x: Any, name: str, full: tuple[int, int, int, int]) -> jax.Array | None:
@@ -156,8 +157,10 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, bias: Any = None, mas
     name = resolve(implementation, q, k, causal, layout, blockwise_from)
     if mask is not None:
         mask = _normalized(jnp.asarray(mask, bool), "mask", full)
-    return IMPLEMENTATIONS[name](q, k, v, _normalized(bias, "bias", full), mask, causal, layout,
-                                 block_q=block_q, block_k=block_k)
+    q, k, v = (modelaxes.heads(x) for x in (q, k, v))  # Ulysses: whole sequences, a share of the heads
+    out = IMPLEMENTATIONS[name](q, k, v, _normalized(bias, "bias", full), mask, causal, layout,
+                                block_q=block_q, block_k=block_k)
+    return modelaxes.tokens(out)
 
 
 def long_context(spec: Any) -> bool:

@@ -1,0 +1,65 @@
+"""The model-parallel sections: DeepSpeed's ``tensor_parallel`` (AutoTP training) and the
+device arithmetic of ``sequence_parallel_size`` (DeepSpeed-Ulysses): what tensor and sequence
+parallelism take of the devices, and so the data-parallel size the batch rule sees.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from jzero.config.typed import ConfigError
+
+
+@dataclass(frozen=True)
+class TPLayerSpec:
+    """One ``tensor_parallel.partition_config.layer_specs`` entry (DeepSpeed's AutoTP
+    ``TPLayerSpec``): leaves whose name (``blocks/stacked/qkv/kernel``) any of ``patterns`` finds
+    (regexes, searched) are split ``column`` (output features), ``row`` (input features) or
+    ``skip`` (replicated) over the tensor group (`jzero.zero.autotp`)."""
+
+    patterns: tuple[str, ...] = ()
+    partition_type: Literal["row", "column", "skip"] = "column"
+
+
+@dataclass(frozen=True)
+class PartitionConfig:
+    """``tensor_parallel.partition_config``: rules before (``use_default_specs``) or instead of
+    the built-in table of the reference models' and common HF names."""
+
+    use_default_specs: bool = True
+    layer_specs: tuple[TPLayerSpec, ...] = ()
+
+
+@dataclass(frozen=True)
+class TensorParallelConfig:
+    """DeepSpeed's ``tensor_parallel`` (AutoTP training): ``autotp_size`` devices split each
+    layer's matmuls (Megatron's column/row split; 0 or 1: off). ``tp_overlap_comm`` and
+    ``preset_model`` are accepted: XLA schedules the collectives, and the rule table covers the
+    presets' names."""
+
+    autotp_size: int = 0
+    tp_overlap_comm: bool = False
+    preset_model: str | None = None
+    partition_config: PartitionConfig = field(default_factory=PartitionConfig)
+
+    @property
+    def size(self) -> int:
+        return max(self.autotp_size, 1)
+
+
+def model_parallel_size(cfg: Any) -> int:
+    """Devices that hold one model replica's split: the tensor group x the sequence group."""
+    return cfg.tensor_parallel.size * cfg.sequence_parallel_size
+
+
+def data_devices(cfg: Any, devices: int) -> int:
+    """The data-parallel size of ``devices``: what tensor and sequence parallelism leave (DeepSpeed's
+    dp world = world / (tp x sp)); ConfigError naming the key when they do not divide it."""
+    for key, size in (("tensor_parallel.autotp_size", cfg.tensor_parallel.autotp_size),
+                      ("sequence_parallel_size", cfg.sequence_parallel_size)):
+        if size < 0 or (size > 1 and devices % size):
+            raise ConfigError(f"{key}: {size} does not divide the {devices} devices of the mesh")
+    if devices % model_parallel_size(cfg):
+        raise ConfigError(f"tensor_parallel.autotp_size x sequence_parallel_size = {model_parallel_size(cfg)} does "
+                          f"not divide the {devices} devices of the mesh")
+    return devices // model_parallel_size(cfg)
