@@ -126,8 +126,8 @@ class Block(nn.Module):
             # so Adam would only amplify rounding noise in it. The kernel is [d, 3, d], so a
             # column split of its last dim over a tensor group gives each device whole heads.
             qkv = nn.DenseGeneral((3, d), use_bias=False, kernel_init=_init, name="qkv")(h)
-            qkv = checkpoint_name(qkv.reshape(b, t, 3, cfg.n_heads, hd), "qkv")
-            q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+            qkv = checkpoint_name(modelaxes.tokens(qkv.reshape(b, t, 3, cfg.n_heads, hd), axis=3), "qkv")
+            q, k, v = (modelaxes.tokens(qkv[:, :, i]) for i in range(3))  # Ulysses moves each on its own
             if cfg.positions == "rotary":
                 q, k = _rotary(q, positions), _rotary(k, positions)
             if decode is None:

@@ -56,7 +56,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jzero.zero import bits, buckets, dots, remat, zeropp
-from jzero.zero.mesh import DATA_AXES, FSDP
+from jzero.zero.mesh import DATA_AXES, FSDP, model_spec, on_model_blocks
 from jzero.zero.sharding import is_stacked
 
 
@@ -67,10 +67,12 @@ class Reduce(NamedTuple):
     dim: int | None
     scatter: tuple[str, ...]
     over: tuple[str, ...]
+    model: P = P()  # the leaf's split over the model axes (`jzero.zero.mesh.MODEL_AXES`), if any
 
     def layer(self) -> "Reduce":
         """The same reduction for one layer of a stacked leaf (its leading dim dropped)."""
-        return self if self.dim is None else self._replace(dim=self.dim - 1)
+        model = P(*tuple(self.model)[1:])
+        return self._replace(model=model) if self.dim is None else self._replace(dim=self.dim - 1, model=model)
 
 
 class LeafHook(NamedTuple):
@@ -160,7 +162,8 @@ def reduction(spec: P) -> Reduce:
     """The `Reduce` of a gradient laid out as ``spec``."""
     dim = fsdp_dim(spec)
     named = {a for entry in spec for a in _axes(entry)}
-    return Reduce(dim, () if dim is None else _axes(spec[dim]), tuple(a for a in DATA_AXES if a not in named))
+    return Reduce(dim, () if dim is None else _axes(spec[dim]), tuple(a for a in DATA_AXES if a not in named),
+                  model_spec(spec))
 
 
 def hook_kind(stored: NamedSharding, grads: NamedSharding) -> str:
@@ -192,9 +195,12 @@ def reduce(cts: Sequence[jax.Array], reds: Sequence[Reduce], wire: Wire) -> list
     for (whole, scatter, over), idx in shared.items():
         gs = [cts[i].astype(wire.comm) for i in idx]
         dims = [reds[i].dim for i in idx]
-        summed = (buckets.all_reduce(gs, over) if whole
-                  else buckets.reduce_scatter_each(gs, dims, scatter, over) if wire.leafwise
-                  else buckets.reduce_scatter(gs, dims, scatter, over))
+        if wire.leafwise and not whole:
+            summed = [on_model_blocks(functools.partial(buckets.reduce_scatter_each, dims=[d], scatter=scatter,
+                                                        over=over), reds[i].model)([g])[0]
+                      for g, d, i in zip(gs, dims, idx, strict=True)]
+        else:
+            summed = (buckets.all_reduce(gs, over) if whole else buckets.reduce_scatter(gs, dims, scatter, over))
         for i, g in zip(idx, summed, strict=True):
             out[i] = g.astype(jnp.float32)
     return out
@@ -222,7 +228,8 @@ def _use(value: jax.Array, kind: str, red: Reduce, wire: Wire) -> jax.Array:
     elif zeropp.can_gather(value, wire.weights):
         full = zeropp.gather(value, red.dim, red.scatter, wire.compute, wire.weights)
     else:
-        moved = jax.lax.all_gather(bits.raw(value.astype(wire.compute)), red.scatter, axis=red.dim, tiled=True)
+        moved = on_model_blocks(lambda x: jax.lax.all_gather(x, red.scatter, axis=red.dim, tiled=True),
+                                red.model)(bits.raw(value.astype(wire.compute)))
         full = bits.restored(moved, wire.compute)
     return checkpoint_name(vary(full), HOOK)
 

@@ -75,6 +75,27 @@ def data_spec(spec: P) -> P:
     return P(*entries)
 
 
+def model_spec(spec: P) -> P:
+    """``spec`` with only its model axes: a leaf's split over "sequence" and "tensor"."""
+    def keep(entry):
+        axes = tuple(a for a in ((entry,) if isinstance(entry, str) else tuple(entry or ())) if a in MODEL_AXES)
+        return None if not axes else axes[0] if len(axes) == 1 else axes
+    entries = [keep(e) for e in spec]
+    while entries and entries[-1] is None:
+        entries.pop()
+    return P(*entries)
+
+
+def on_model_blocks(f, spec: P):
+    """``f`` on each device's own block of a leaf split over the model axes as ``spec`` says,
+    inside the step's ``shard_map`` (``f`` itself when unsplit). A collective over the data axes
+    on a leaf the compiler partitions is otherwise preceded by an all-gather of the whole leaf
+    over the model axes: the compiler only moves replicated dimensions by hand."""
+    if not tuple(spec):
+        return f
+    return jax.shard_map(f, in_specs=spec, out_specs=spec, axis_names=frozenset(MODEL_AXES))
+
+
 def over_data(f, mesh: Mesh, in_specs: Any, out_specs: Any, **kwargs: Any):
     """``jax.shard_map(f)`` manual over the data axes (`manual_axes`), the specs' model axes left
     to the compiler."""

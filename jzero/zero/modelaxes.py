@@ -78,21 +78,26 @@ def residual(x: jax.Array) -> jax.Array:
     return _constrain(x, None, _entry(axes.token_axes()), None)
 
 
-def heads(x: jax.Array) -> jax.Array:
-    """``[b, T, h, d]`` with whole sequences and the heads over ("tensor", "sequence"): from token
-    shards, the all-to-all of DeepSpeed-Ulysses (identity when the model is not split or h does
-    not divide)."""
+def heads(x: jax.Array, axis: int = 2) -> jax.Array:
+    """``[b, T, ..., h, d]`` (heads at ``axis``) with whole sequences and the heads over
+    ("tensor", "sequence"): from token shards, the all-to-all of DeepSpeed-Ulysses (identity when
+    the model is not split or h does not divide)."""
     axes = current()
-    if axes is None or x.shape[2] % (axes.sequence * axes.tensor):
+    if axes is None or x.shape[axis] % (axes.sequence * axes.tensor):
         return x
     split = tuple(a for a, n in ((TENSOR, axes.tensor), (SEQUENCE, axes.sequence)) if n > 1)
-    return _constrain(x, None, None, _entry(split), None)
+    entries = [None] * x.ndim
+    entries[axis] = _entry(split)
+    return _constrain(x, *entries)
 
 
-def tokens(x: jax.Array) -> jax.Array:
-    """Attention's ``[b, T, h, d]`` output back on token shards over "sequence" (heads over
-    "tensor"): Ulysses' second all-to-all (identity without sequence parallelism)."""
+def tokens(x: jax.Array, axis: int = 2) -> jax.Array:
+    """``[b, T, ..., h, d]`` on token shards over "sequence", the heads (at ``axis``) over
+    "tensor": where Ulysses' q, k and v come from and its output goes back to (identity without
+    sequence parallelism)."""
     axes = current()
-    if axes is None or axes.sequence == 1 or x.shape[1] % axes.sequence or x.shape[2] % axes.tensor:
+    if axes is None or axes.sequence == 1 or x.shape[1] % axes.sequence or x.shape[axis] % axes.tensor:
         return x
-    return _constrain(x, None, SEQUENCE, TENSOR if axes.tensor > 1 else None, None)
+    entries = [None] * x.ndim
+    entries[1], entries[axis] = SEQUENCE, TENSOR if axes.tensor > 1 else None
+    return _constrain(x, *entries)

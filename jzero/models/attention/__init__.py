@@ -160,7 +160,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, bias: Any = None, mas
     q, k, v = (modelaxes.heads(x) for x in (q, k, v))  # Ulysses: whole sequences, a share of the heads
     out = IMPLEMENTATIONS[name](q, k, v, _normalized(bias, "bias", full), mask, causal, layout,
                                 block_q=block_q, block_k=block_k)
-    return modelaxes.tokens(out)
+    return modelaxes.tokens(modelaxes.heads(out))  # pinned on heads first: the backward moves dout, not scores
 
 
 def long_context(spec: Any) -> bool:
