@@ -55,7 +55,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jzero.zero import bits, buckets, dots, remat, zeropp
+from jzero.zero import bits, buckets, dots, modelaxes, remat, zeropp
 from jzero.zero.mesh import DATA_AXES, FSDP, model_spec, on_model_blocks
 from jzero.zero.sharding import is_stacked
 
@@ -413,7 +413,7 @@ def _accumulating_scan(ctx: HookContext, apply_layer: Callable, policy: Callable
         return apply_layer(jax.tree.unflatten(treedef, [w.astype(ctx.wire.compute) for w in ws]), h, e)
 
     if policy is remat.FULL:
-        return accumulate_stack(layer, x, ws, extra, accs)
+        return accumulate_stack(modelaxes.keeping(layer), x, ws, extra, accs)
     if policy is not None:
         layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
     return _stack_forward(layer, x, _add_into(ws, accs), extra)[0]

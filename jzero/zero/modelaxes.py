@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
-from typing import NamedTuple
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
 
 import jax
 from jax.sharding import PartitionSpec as P
@@ -59,6 +59,21 @@ def active(axes: ModelAxes | None) -> Iterator[None]:
 
 def current() -> ModelAxes | None:
     return _ACTIVE.get()
+
+
+def keeping(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` traced under the model axes active now, whenever it is traced: a custom VJP's
+    backward (a remat's recompute) is traced after the step has left the loss, and its
+    activations would otherwise lose their layout (the recomputed layer whole on every device)."""
+    axes = current()
+    if axes is None:
+        return fn
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with active(axes):
+            return fn(*args, **kwargs)
+
+    return run
 
 
 def _constrain(x: jax.Array, *entries) -> jax.Array:

@@ -20,7 +20,7 @@ from typing import Any
 import jax
 
 from jzero.config import unknown
-from jzero.zero import bits
+from jzero.zero import bits, modelaxes
 
 SAVE_NAMES = ("qkv", "attn_out", "mlp_hidden")
 
@@ -57,6 +57,7 @@ def full(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn(x, *rest)`` whose backward recomputes it from ``x`` (saved, 16-bit floats as raw
     bits) and ``rest``; the same values and gradients as ``jax.checkpoint`` under "full"."""
     def run(x: Any, *rest: Any) -> Any:
+        recompute = modelaxes.keeping(fn)  # the backward is traced after the loss: keep its layout
         dtypes = jax.tree.map(lambda v: v.dtype, x)
         spaces = jax.tree.map(lambda v: jax.typeof(v).memory_space, rest)  # offloaded params: host
 
@@ -69,7 +70,7 @@ def full(fn: Callable[..., Any]) -> Callable[..., Any]:
 
         def bwd(res, ct):
             saved, rest = res
-            ct_x, *ct_rest = jax.vjp(fn, jax.tree.map(bits.restored, saved, dtypes), *rest)[1](ct)
+            ct_x, *ct_rest = jax.vjp(recompute, jax.tree.map(bits.restored, saved, dtypes), *rest)[1](ct)
             return ct_x, *jax.tree.map(_into, ct_rest, list(spaces))
 
         layer.defvjp(fwd, bwd)
