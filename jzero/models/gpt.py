@@ -121,7 +121,7 @@ class Block(nn.Module):
         hd = d // cfg.n_heads
         x = modelaxes.residual(x)
         with jax.named_scope("attention"):  # scope names: `jzero profile` attributes FLOPs by them
-            h = nn.LayerNorm(name="ln1")(x)
+            h = modelaxes.gathered(nn.LayerNorm(name="ln1")(x))
             # No qkv bias: the key bias has an exactly zero gradient (softmax is shift-invariant),
             # so Adam would only amplify rounding noise in it. The kernel is [d, 3, d], so a
             # column split of its last dim over a tensor group gives each device whole heads.
@@ -141,7 +141,7 @@ class Block(nn.Module):
             attn = checkpoint_name(attn.reshape(b, t, d), "attn_out")
             x = modelaxes.residual(x + nn.Dense(d, kernel_init=_init, name="proj")(attn))
         with jax.named_scope("mlp"):
-            h = nn.LayerNorm(name="ln2")(x)
+            h = modelaxes.gathered(nn.LayerNorm(name="ln2")(x))
             if self.moe is not None:
                 y, layer = MoE(self.moe, name="moe")(h)
                 return x + y, stats + layer
@@ -151,7 +151,7 @@ class Block(nn.Module):
                 x = x + tiles.tiled_mlp(h, tiles.params_of(fc, d, h.dtype),
                                         tiles.params_of(out, cfg.d_ff, h.dtype), tile=tile)
             else:
-                x = x + out(checkpoint_name(jax.nn.gelu(fc(h)), "mlp_hidden"))
+                x = x + out(checkpoint_name(jax.nn.gelu(modelaxes.hidden(fc(h))), "mlp_hidden"))
             return x if decode is None else (x, decode)
 
 

@@ -16,7 +16,7 @@ constraints (`jzero.zero.modelaxes`).
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -65,22 +65,20 @@ def manual_axes(mesh: Mesh) -> frozenset[str]:
 
 def data_spec(spec: P) -> P:
     """``spec`` with the model axes dropped: what a ``shard_map`` over the data axes is told."""
-    def keep(entry):
-        axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
-        kept = tuple(a for a in axes if a not in MODEL_AXES)
-        return None if not kept else kept[0] if len(kept) == 1 else kept
-    entries = [keep(e) for e in spec]
-    while entries and entries[-1] is None:
-        entries.pop()
-    return P(*entries)
+    return _keeping(spec, lambda a: a not in MODEL_AXES)
 
 
 def model_spec(spec: P) -> P:
     """``spec`` with only its model axes: a leaf's split over "sequence" and "tensor"."""
-    def keep(entry):
-        axes = tuple(a for a in ((entry,) if isinstance(entry, str) else tuple(entry or ())) if a in MODEL_AXES)
+    return _keeping(spec, lambda a: a in MODEL_AXES)
+
+
+def _keeping(spec: P, keep: Callable[[str], bool]) -> P:
+    """``spec`` with only the axes ``keep`` accepts, in canonical form (no trailing None)."""
+    def entry(e: Any) -> Any:
+        axes = tuple(a for a in ((e,) if isinstance(e, str) else tuple(e or ())) if keep(a))
         return None if not axes else axes[0] if len(axes) == 1 else axes
-    entries = [keep(e) for e in spec]
+    entries = [entry(e) for e in spec]
     while entries and entries[-1] is None:
         entries.pop()
     return P(*entries)

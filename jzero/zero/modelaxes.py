@@ -5,14 +5,15 @@ The step's ``shard_map`` is manual over the data axes only when the model is spl
 (`jzero.zero.mesh.manual_axes`): "sequence" and "tensor" belong to the compiler, which follows
 the params' specs (`jzero.zero.autotp`) and these constraints on a layer's activations:
 
-    where                    | layout                                      | what it makes
-    -------------------------+---------------------------------------------+------------------------------
-    residual stream [b,T,d]  | T over "sequence" (and "tensor" with        | Ulysses: every op but attention
-      (`residual`)           | ``jzero.mesh.megatron_sequence_parallel``)  | on the local tokens; Megatron-SP:
-                             |                                             | all-gather before qkv / fc,
-                             |                                             | reduce-scatter after proj / out
-    attention q, k, v, out   | heads over ("tensor", "sequence"), T whole  | Ulysses' all-to-all in (q, k, v)
-      (`heads`)              | then back to T over "sequence" (`tokens`)   | and out; tensor: local heads
+    where                       | layout                                   | what it makes
+    ----------------------------+------------------------------------------+--------------------------
+    residual stream [b, T, d]   | T over "sequence" (and "tensor" under    | Ulysses: every op but
+      (`residual`)              | ``jzero.mesh.megatron_sequence_parallel``) | attention on local tokens
+    sublayer input (`gathered`) | whole tokens over "tensor"               | Megatron-SP's all-gather
+    column output (`hidden`)    | features over "tensor"                   | the row matmul's input;
+                                |                                          | after it, a reduce-scatter
+    attention q, k, v (`heads`) | heads over ("tensor", "sequence"),       | Ulysses' all-to-alls in
+      and out (`tokens`)        | T whole; then T back over "sequence"     | and out; local heads
 
 Outside the step (inference, a plain ``apply``) nothing is active and every function here is the
 identity. Heads the split does not divide are left to the compiler (the config check refuses
@@ -91,6 +92,25 @@ def residual(x: jax.Array) -> jax.Array:
                                                                                   else 1)):
         return x
     return _constrain(x, None, _entry(axes.token_axes()), None)
+
+
+def gathered(x: jax.Array) -> jax.Array:
+    """A sublayer's ``[b, T, d]`` input with whole tokens over the tensor group (still split over
+    "sequence"): Megatron-SP's all-gather, placed before the column matmuls (identity without it)."""
+    axes = current()
+    if axes is None or not (axes.megatron_sp and axes.tensor > 1):
+        return x
+    return _constrain(x, None, SEQUENCE if axes.sequence > 1 and x.shape[1] % axes.sequence == 0 else None, None)
+
+
+def hidden(x: jax.Array) -> jax.Array:
+    """A column matmul's ``[b, T, f]`` output with its features over "tensor" (and tokens over
+    "sequence"): what the row matmul after it reads (identity without tensor parallelism)."""
+    axes = current()
+    if axes is None or axes.tensor == 1 or x.shape[-1] % axes.tensor:
+        return x
+    seq = SEQUENCE if axes.sequence > 1 and x.shape[1] % axes.sequence == 0 else None
+    return _constrain(x, None, seq, *([None] * (x.ndim - 3)), TENSOR)
 
 
 def heads(x: jax.Array, axis: int = 2) -> jax.Array:

@@ -1,0 +1,247 @@
+"""Tensor parallelism (Megatron / DeepSpeed AutoTP) and sequence parallelism (DeepSpeed-Ulysses)
+composed with ZeRO (docs/design.md, "Tensor and sequence parallelism"): the plain single-device
+loop's numbers, the collectives the papers name read from the compiled HLO, per-device memory
+from the compiled step, and one-line errors."""
+import dataclasses
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+import jzero
+from helpers import BATCH, EPS, GPT_CFG, LR, WD, assert_params_close, plain_loop, token_batches
+from jzero.analysis import estimate, profile
+from jzero.models import gpt
+from jzero.zero import autotp, treepath
+
+GPT4 = dataclasses.replace(GPT_CFG, n_heads=4)  # d 32 in 4 heads of 8: tensor x sequence up to 4
+STEPS = 4  # compile time dominates; four AdamW steps show any drift a split would cause
+
+
+def mp_config(tp, sp, stage, accum, msp=False, **extra):
+    return jzero.load_config({
+        "train_batch_size": BATCH, "gradient_accumulation_steps": accum,
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD, "eps": EPS}},
+        "gradient_clipping": 0.0, "tensor_parallel": {"autotp_size": tp}, "sequence_parallel_size": sp,
+        "jzero": {"mesh": {"devices": 8, "megatron_sequence_parallel": msp}}, **extra})
+
+
+def batches():
+    return token_batches(STEPS, BATCH, GPT4.seq_len, GPT4.vocab_size)
+
+
+@functools.cache
+def reference():
+    init_fn, loss_fn = gpt.make(GPT4)
+    return plain_loop(init_fn, loss_fn, batches(), lambda b: jax.tree.map(lambda x: x[None], b))
+
+
+@functools.cache
+def trained(tp, sp, stage, accum, msp=False):
+    init_fn, loss_fn = gpt.make(GPT4)
+    cfg = mp_config(tp, sp, stage, accum, msp)
+    state = jzero.init(init_fn, cfg, loss_fn=loss_fn, rng=jax.random.key(0))
+    init_specs = jax.tree.map(lambda x: x.sharding.spec, state.params)
+    losses = []
+    for batch in batches():
+        state, metrics = jzero.train_step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return np.array(losses), jax.device_get(state.params), init_specs, state
+
+
+SPLITS = [(2, 1), (4, 1), (1, 2), (1, 4), (2, 2)]
+CASES = [(tp, sp, stage, accum) for tp, sp in SPLITS for stage in (1, 3) for accum in (1, 4)]
+DEFAULT = {(2, 1, 3, 4), (1, 2, 1, 1), (2, 2, 3, 1)}
+
+
+@pytest.mark.parametrize("tp,sp,stage,accum", [
+    pytest.param(*c, marks=() if c in DEFAULT else pytest.mark.slow) for c in CASES],
+    ids=[f"tp{tp}-sp{sp}-zero{s}-accum{a}" for tp, sp, s, a in CASES])
+def test_matches_plain_optax_loop(tp, sp, stage, accum):
+    ref_losses, ref_params = reference()
+    losses, params, _, state = trained(tp, sp, stage, accum)
+    assert dict(state.plan.mesh.shape)["tensor"] == tp and dict(state.plan.mesh.shape)["sequence"] == sp
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    jax.tree.map(assert_params_close, params, ref_params)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage,accum", [(1, 4), (3, 1)])
+def test_megatron_sequence_parallel_matches_plain_loop(stage, accum):
+    ref_losses, ref_params = reference()
+    losses, params, _, _ = trained(2, 1, stage, accum, msp=True)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    jax.tree.map(assert_params_close, params, ref_params)
+
+
+def test_specs_follow_the_autotp_table_and_zero_adds_its_axis():
+    """Column leaves split their output features, row leaves their input features, the
+    embedding its vocabulary; ZeRO-3 adds "fsdp" on a free dimension; the state keeps the Plan's
+    layout after init and after steps."""
+    _, _, init_specs, state = trained(2, 1, 3, 4)
+    specs = {name: tuple(s.spec) for name, s in treepath.named_leaves(state.plan.params).items()}
+    assert specs["blocks/stacked/qkv/kernel"][3] == "tensor"  # [layers, d, 3, d]: whole heads
+    assert specs["blocks/stacked/fc/kernel"][2] == "tensor" and specs["blocks/stacked/fc/bias"][1] == "tensor"
+    assert specs["blocks/stacked/proj/kernel"][1] == "tensor" and specs["blocks/stacked/out/kernel"][1] == "tensor"
+    assert specs["wte/embedding"][0] == "tensor"
+    assert "tensor" not in str(specs["blocks/stacked/ln1/scale"]) + str(specs["blocks/stacked/proj/bias"])
+    assert all("fsdp" in specs[n] for n in ("blocks/stacked/qkv/kernel", "blocks/stacked/fc/kernel", "wte/embedding",
+                                           "blocks/stacked/ln1/scale"))
+    assert "fsdp" not in specs["blocks/stacked/fc/bias"]  # [layers, 64 / 2]: no free dimension left
+    after = jax.tree.map(lambda x: x.sharding.spec, state.params)
+    assert jax.tree.leaves(after) == jax.tree.leaves(init_specs) == [s.spec for s in jax.tree.leaves(state.plan.params)]
+
+
+def test_user_rules_come_first_and_name_themselves_in_errors():
+    shapes = {"enc": {"wq": jax.ShapeDtypeStruct((8, 12), np.float32),
+                      "wo": jax.ShapeDtypeStruct((12, 8), np.float32)}}
+    rules = {"layer_specs": [{"patterns": ["wq$"], "partition_type": "column"},
+                             {"patterns": ["wo$"], "partition_type": "row"}]}
+    cfg = mp_config(2, 1, 1, 1, tensor_parallel={"autotp_size": 2, "partition_config": rules})
+    specs = autotp.model_specs(cfg, shapes)
+    assert specs["enc"]["wq"] == jax.sharding.PartitionSpec(None, "tensor")
+    assert specs["enc"]["wo"] == jax.sharding.PartitionSpec("tensor")
+    odd = mp_config(4, 1, 1, 1, tensor_parallel={"autotp_size": 8, "partition_config": rules},
+                    jzero={"mesh": {"devices": 8}, "model": {"name": "mlp"}})
+    with pytest.raises(jzero.ConfigError, match=r"partition_config.layer_specs\[\d\]: 'enc/w[qo]' .* of 12"):
+        autotp.model_specs(odd, shapes)
+    skip = mp_config(2, 1, 1, 1, tensor_parallel={"autotp_size": 2, "partition_config": {
+        "layer_specs": [{"patterns": ["qkv"], "partition_type": "skip"}]}})
+    gpt_shapes = jax.eval_shape(gpt.make(GPT4)[0], jax.random.key(0))
+    names = treepath.named_leaves(autotp.model_specs(skip, gpt_shapes))
+    assert names["blocks/stacked/qkv/kernel"] == jax.sharding.PartitionSpec()
+    assert names["blocks/stacked/fc/kernel"] != jax.sharding.PartitionSpec()  # the defaults still apply after
+
+
+# ---- collectives and memory from the compiled step --------------------------------------------
+PLAN_MODEL = {"name": "gpt", "size": "tiny", "n_layers": 3, "n_heads": 8, "d_model": 128, "d_ff": 512,
+              "seq_len": 256, "vocab_size": 256}
+
+
+def compiled(tp, sp, msp=False, stage=1, remat="none", micro=2, devices=8, **model):
+    cfg = jzero.load_config({
+        "train_micro_batch_size_per_gpu": micro, "zero_optimization": {
+            "stage": stage, "stage3_param_persistence_threshold": 0},
+        "tensor_parallel": {"autotp_size": tp}, "sequence_parallel_size": sp,
+        "jzero": {"mesh": {"devices": devices, "megatron_sequence_parallel": msp}, "remat": remat,
+                  "model": {**PLAN_MODEL, **model}}})
+    return estimate.compile_step(cfg)
+
+
+def per_layer(step, kind, axes, backward):
+    """[(elements per device, executions)] of ``kind`` over ``axes`` inside the layer loop, in the
+    forward (``backward`` False) or the backward pass (the op name's ``transpose(``)."""
+    mesh = step.state.plan.mesh
+    return sorted((c.elements, c.count) for c in profile.comm(step.compiled).collectives
+                  if c.kind == kind and c.groups and profile.axes_of(c.groups[0], mesh) == axes
+                  and "/blocks/" in c.op_name and ("transpose(" in c.op_name) == backward)
+
+
+LAYERS, BSH = PLAN_MODEL["n_layers"], 2 * PLAN_MODEL["seq_len"] * PLAN_MODEL["d_model"]  # micro 2 rows a device
+
+
+def test_megatron_tensor_parallel_is_two_all_reduces_a_layer_each_way():
+    step = compiled(2, 1)
+    assert per_layer(step, "all-reduce", ("tensor",), False) == [(BSH, LAYERS)] * 2  # after proj and out
+    assert per_layer(step, "all-reduce", ("tensor",), True) == [(BSH, LAYERS)] * 2  # into qkv and fc inputs
+    for kind in ("all-gather", "reduce-scatter", "all-to-all"):
+        assert per_layer(step, kind, ("tensor",), False) == []
+
+
+@pytest.mark.slow
+def test_megatron_sequence_parallel_gathers_before_and_reduces_after():
+    """Forward: the layer input all-gathered over the tensor group before qkv and fc (b*s*h each)
+    and the partial sums of proj and out reduced back to token shards. XLA:CPU writes that
+    reduction as an all-reduce whose result is sliced; XLA:GPU's reduce-scatter pass makes it a
+    reduce-scatter (benchmarks/gpu_check.py, row "tensor_parallel")."""
+    step = compiled(2, 1, msp=True)
+    assert per_layer(step, "all-gather", ("tensor",), False) == [(BSH, LAYERS)] * 2
+    reductions = per_layer(step, "all-reduce", ("tensor",), False) + per_layer(step, "reduce-scatter", ("tensor",),
+                                                                               False)
+    assert sorted(n for n, count in reductions if count == LAYERS and n in (BSH, BSH // 2)) == [n for n, _ in
+                                                                                                reductions]
+    assert len(reductions) == 2
+
+
+def test_ulysses_is_four_all_to_alls_a_layer_each_way_all_in_attention():
+    for sp in (2, 4):
+        step = compiled(1, sp)
+        for backward in (False, True):
+            moves = per_layer(step, "all-to-all", ("sequence",), backward)
+            assert moves == [(BSH // sp, LAYERS)] * 4, (sp, backward, moves)  # q, k, v and the output
+        mesh = step.state.plan.mesh
+        outside = [c for c in profile.comm(step.compiled).collectives
+                   if c.kind == "all-to-all" and c.group_size > 1 and "/attention/" not in c.op_name]
+        assert outside == [] and dict(mesh.shape)["sequence"] == sp
+
+
+@pytest.mark.slow
+def test_zero_collectives_move_each_devices_own_share():
+    """Stage 3 with tensor groups of 2: ZeRO's all-gathers and reduce-scatters run over "fsdp"
+    alone (none over the tensor group), and their elements per device are the tp 1 step's on the
+    same 4 data devices times each device's share of the params (half of the split leaves, all of
+    the LayerNorms, row biases and positions a tensor group keeps whole)."""
+    split, whole = compiled(2, 1, stage=3), compiled(1, 1, stage=3, devices=4)
+    leaves = jax.tree_util.tree_flatten_with_path(split.state.params)[0]
+    # stage 3 at k = 1: a stacked leaf is gathered twice (forward, and again in backward), a leaf
+    # outside the stack once (its gather is loop-invariant); each gradient reduce-scattered once
+    moved = {"all-gather": lambda path: 2 if "stacked" in jax.tree_util.keystr(path) else 1,
+             "reduce-scatter": lambda path: 1}
+    cut = [("tensor" in str(s.spec)) for s in jax.tree.leaves(split.state.plan.params)]
+
+    def zero(step, kind):
+        return {axes: t.elements for (k, axes), t in profile.by_axes(profile.comm(step.compiled),
+                                                                    step.state.plan.mesh).items() if k == kind}
+    for kind in ("all-gather", "reduce-scatter"):
+        assert set(zero(split, kind)) == {("fsdp",)} and set(zero(whole, kind)) == {("fsdp",)}
+        weight = [moved[kind](path) * x.size for path, x in leaves]
+        share = sum(w / 2 if c else w for w, c in zip(weight, cut, strict=True)) / sum(weight)
+        assert zero(split, kind)[("fsdp",)] == pytest.approx(zero(whole, kind)[("fsdp",)] * share, rel=0.01)
+
+
+@pytest.fixture
+def optimized():
+    """XLA's full pipeline, as `jzero estimate` and training compile (the suite's cheap one leaves
+    unfused temporaries that are no program's real peak)."""
+    jax.config.update("jax_disable_most_optimizations", False)
+    yield
+    jax.config.update("jax_disable_most_optimizations", True)
+
+
+@pytest.mark.slow
+def test_params_and_activations_per_device_fall_by_the_split(optimized):
+    """Compiled per-device bytes: stored params (stage 1, replicated over the data devices) fall
+    by the tensor size; the step's temporaries (blockwise attention at T 2048, full remat) by the
+    tensor size with Megatron's sequence parallelism and by P under Ulysses; within 10%."""
+    def mem(tp, sp, msp=False):  # rotary positions: learned ones stay whole, as in Megatron
+        return profile.memory(compiled(tp, sp, msp, remat="full", seq_len=2048, positions="rotary").compiled)
+    base = mem(1, 1)
+    for tp, sp, msp in ((2, 1, True), (4, 1, True), (1, 2, False), (1, 4, False)):
+        m = mem(tp, sp, msp)
+        assert m.temp / base.temp == pytest.approx(1 / (tp * sp), rel=0.10), (tp, sp)
+        assert m.params / base.params == pytest.approx(1 / tp, rel=0.10), (tp, sp)
+
+
+# ---- errors ------------------------------------------------------------------------------
+@pytest.mark.parametrize("change,match", [
+    ({"tensor_parallel": {"autotp_size": 3}}, r"^tensor_parallel.autotp_size: 3 does not divide the 8 devices"),
+    ({"tensor_parallel": {"autotp_size": 8}, "jzero": {"model": {"name": "gpt", "n_heads": 4},
+                                                        "mesh": {"devices": 8}}},
+     r"^tensor_parallel.autotp_size: 8 does not divide jzero.model.n_heads 4"),
+    ({"sequence_parallel_size": 2, "jzero": {"model": {"name": "vit"}}},
+     r"^sequence_parallel_size: 2 splits token sequences; the 'vit' model has none"),
+    ({"sequence_parallel_size": 4, "tensor_parallel": {"autotp_size": 2},
+      "jzero": {"model": {"name": "gpt", "n_heads": 4}}}, r"^sequence_parallel_size: 4 x tensor_parallel"),
+    ({"jzero": {"mesh": {"megatron_sequence_parallel": True}}}, r"^jzero.mesh.megatron_sequence_parallel: "),
+    ({"tensor_parallel": {"autotp_size": 2}, "moe": {"enabled": True, "num_experts": 2}},
+     r"^tensor_parallel.autotp_size: not with moe"),
+    ({"sequence_parallel_size": 2, "zero_optimization": {"stage": 2, "zero_quantized_gradients": True}},
+     r"^sequence_parallel_size: not with zero_optimization.zero_quantized_gradients"),
+])
+def test_misconfiguration_is_one_line_naming_the_key(change, match):
+    raw = {"train_micro_batch_size_per_gpu": 1, "jzero": {"model": {"name": "gpt"}}, **change}
+    with pytest.raises(jzero.ConfigError, match=match) as err:
+        jzero.load_config(raw)
+    assert "\n" not in str(err.value)
