@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 
 import jzero
-from helpers import BATCH, EPS, GPT_CFG, LR, WD, assert_params_close, plain_loop, token_batches
 from jzero.analysis import estimate, profile
 from jzero.models import gpt
 from jzero.zero import autotp, treepath
+
+from helpers import BATCH, EPS, GPT_CFG, LR, WD, assert_params_close, plain_loop, token_batches
 
 GPT4 = dataclasses.replace(GPT_CFG, n_heads=4)  # d 32 in 4 heads of 8: tensor x sequence up to 4
 STEPS = 4  # compile time dominates; four AdamW steps show any drift a split would cause
