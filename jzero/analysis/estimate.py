@@ -26,7 +26,7 @@ from jzero.models.moe import DISPATCH
 from jzero.train.resolve import check_zero
 from jzero.train.state import TrainState, abstract_init
 from jzero.train.step import train_step
-from jzero.zero.mesh import EXPERT, FSDP, make_mesh
+from jzero.zero.mesh import EXPERT, FSDP, MODEL_AXES, TENSOR, make_mesh
 from jzero.zero.sharding import ZERO_RULES, is_expert, is_stacked
 
 GiB = 2**30
@@ -51,6 +51,7 @@ class Estimate:
     unquantized_wire_bytes: float | None = None  # the same step without ZeRO++ quantization
     widened: tuple[str, ...] = ()  # collectives this backend widens ("reduce-scatter bf16->f32")
     sequence: dict[str, float] = dataclasses.field(default_factory=dict)  # `long_sequence`
+    model_comm: dict[str, float] = dataclasses.field(default_factory=dict)  # `model_parallel_comm`
 
     def row(self) -> dict[str, Any]:
         m, a = self.memory, self.analytic
@@ -78,6 +79,7 @@ class Estimate:
             "compile_s": self.compile_s,
             **self._experts(),
             **self.sequence,
+            **self.model_comm,
         }
 
     def _quantized(self) -> dict[str, Any]:
@@ -156,13 +158,13 @@ def estimate(config: Config, stage: int | None = None) -> Estimate:
     grads = sum(profile.shard_bytes(x.shape, x.dtype, s)
                 for x, s in zip(jax.tree.leaves(state.params), layouts, strict=True))
     a2a = [c for c in comm.collectives if DISPATCH in c.op_name and c.group_size > 1]  # MoE's tokens
-    zero = _zero_comm(comm)
+    zero = _zero_comm(comm, mesh)
     unquantized = None
     if cfg.zero_optimization.zero_quantized_weights or cfg.zero_optimization.zero_quantized_gradients:
         plain = dataclasses.replace(cfg.zero_optimization, zero_quantized_weights=False,
                                     zero_quantized_gradients=False)
         plain_step = compile_step(dataclasses.replace(config, zero_optimization=plain)).compiled
-        unquantized = _zero_comm(profile.comm(plain_step)).total_wire_bytes()
+        unquantized = _zero_comm(profile.comm(plain_step), mesh).total_wire_bytes()
     widened = tuple(sorted({f"{c.kind} {c.dtype}->{c.widened_to}" for c in zero.collectives if c.widened_to}))
     return Estimate(stage=cfg.zero_optimization.stage, accumulation=cfg.gradient_accumulation_steps,
                     mesh=dict(mesh.shape), num_params=mem.num_params,
@@ -171,7 +173,21 @@ def estimate(config: Config, stage: int | None = None) -> Estimate:
                     analytic=_analytic(state), compile_s=compile_s, all_to_alls=sum(c.count for c in a2a),
                     all_to_all_bytes=sum(c.elements * DTYPE_BYTES.get(c.dtype, 4) * c.count for c in a2a),
                     wire_bytes=zero.total_wire_bytes(), unquantized_wire_bytes=unquantized, widened=widened,
-                    sequence=long_sequence(config, mem) if attention.long_context(model.spec) else {})
+                    sequence=long_sequence(config, mem) if attention.long_context(model.spec) else {},
+                    model_comm=model_parallel_comm(comm, mesh))
+
+
+def model_parallel_comm(comm: profile.CommReport, mesh: Any) -> dict[str, float]:
+    """The collectives over the tensor and sequence groups (Megatron's all-reduces or all-gathers
+    and reduce-scatters, Ulysses' all-to-alls): how many a step runs and the GiB each device's
+    results hold, by kind and axes."""
+    out: dict[str, float] = {}
+    for (kind, axes), traffic in sorted(profile.by_axes(comm, mesh).items()):
+        if set(axes) & set(MODEL_AXES):
+            name = f"{kind.replace('-', '_')}_over_{'_'.join(axes)}"
+            out[f"{name}_per_step"] = float(traffic.count)
+            out[f"{name}_gib"] = traffic.nbytes / GiB
+    return out
 
 
 def long_sequence(config: Config, mem: profile.MemoryReport) -> dict[str, float]:
@@ -212,19 +228,26 @@ def _savings(config: Config) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _zero_comm(comm: profile.CommReport) -> profile.CommReport:
-    """ZeRO's collectives: all but MoE's token all-to-alls."""
-    return profile.CommReport(tuple(c for c in comm.collectives if DISPATCH not in c.op_name and c.group_size > 1))
+def _zero_comm(comm: profile.CommReport, mesh: Any) -> profile.CommReport:
+    """ZeRO's collectives: all but MoE's token all-to-alls and those over the tensor and sequence
+    groups (`model_parallel_comm`)."""
+    def zeros(c: profile.Collective) -> bool:
+        model = bool(c.groups) and bool(set(profile.axes_of(c.groups[0], mesh)) & set(MODEL_AXES))
+        return DISPATCH not in c.op_name and c.group_size > 1 and not model
+    return profile.CommReport(tuple(c for c in comm.collectives if zeros(c)))
 
 
 def _analytic(state: TrainState) -> profile.Analytic:
     """The formulas for the state's params: non-expert params over the ZeRO group of
     ("fsdp", "expert"), each device's E / ep_size experts over "fsdp" (`jzero.zero.sharding`)."""
     cfg, mesh = state.config, state.plan.mesh
-    leaves = jax.tree_util.tree_flatten_with_path(state.params)[0]
-    layer = sum(math.prod(x.shape[1:]) for path, x in leaves if is_stacked(path))  # DeepSpeed's largest layer
-    expert = sum(math.prod(x.shape) for path, x in leaves if is_expert(path)) // mesh.shape[EXPERT]
-    dense = sum(math.prod(x.shape) for _, x in leaves) - expert * mesh.shape[EXPERT]
+    # each device's share of a leaf a tensor group splits: ZeRO runs on it over the data devices
+    split = [mesh.shape[TENSOR] if TENSOR in str(s.spec) else 1 for s in jax.tree.leaves(state.plan.params)]
+    leaves = [(path, math.prod(x.shape) // n, math.prod(x.shape[1:]) // n)
+              for (path, x), n in zip(jax.tree_util.tree_flatten_with_path(state.params)[0], split, strict=True)]
+    layer = sum(per_layer for path, _, per_layer in leaves if is_stacked(path))  # DeepSpeed's largest layer
+    expert = sum(size for path, size, _ in leaves if is_expert(path)) // mesh.shape[EXPERT]
+    dense = sum(size for _, size, _ in leaves) - expert * mesh.shape[EXPERT]
     parts = [profile.analytic(n, cfg.zero_optimization.stage, group, largest_layer_params=layer,
                               accumulation=cfg.gradient_accumulation_steps, offload=state.plan.offload is not None)
              for n, group in ((dense, mesh.shape[FSDP] * mesh.shape[EXPERT]), (expert, mesh.shape[FSDP])) if n]

@@ -213,6 +213,7 @@ def axes_of(group: tuple[int, ...], mesh: Any) -> tuple[str, ...]:
 class AxisTraffic(NamedTuple):
     count: int  # executions per step
     elements: int  # result elements per device, summed over executions
+    nbytes: int  # the same in bytes, in the dtype each moves
 
 
 def by_axes(report: CommReport, mesh: Any) -> dict[tuple[str, tuple[str, ...]], AxisTraffic]:
@@ -223,8 +224,9 @@ def by_axes(report: CommReport, mesh: Any) -> dict[tuple[str, tuple[str, ...]], 
         if c.group_size <= 1 or not c.groups:
             continue
         key = (c.kind, axes_of(c.groups[0], mesh))
-        old = out.get(key, AxisTraffic(0, 0))
-        out[key] = AxisTraffic(old.count + c.count, old.elements + c.elements * c.count)
+        old = out.get(key, AxisTraffic(0, 0, 0))
+        out[key] = AxisTraffic(old.count + c.count, old.elements + c.elements * c.count,
+                               old.nbytes + c.elements * c.count * DTYPE_BYTES.get(c.widened_to or c.dtype, 4))
     return out
 
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 
-from jzero.cli.common import add_config_arguments, config_on_devices, fmt
+from jzero.cli.common import UsageError, add_config_arguments, config_on_devices, fmt
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     est = sub.add_parser("estimate", help="per-device memory and communication from the compiled step")
-    add_config_arguments(est, devices_required=True)
+    add_config_arguments(est)
     est.add_argument("--stage", type=int, action="append", choices=[0, 1, 2, 3],
                      help="ZeRO stage(s) to estimate (repeatable; default: the config's)")
     est.add_argument("--peak-flops", type=float, help="device peak FLOP/s: prints the step time floor")
@@ -22,6 +22,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     raw = config_on_devices(args)
+    devices = raw.get("jzero", {}).get("mesh", {}).get("devices")
+    if not isinstance(devices, int):
+        raise UsageError("--devices: required unless the config sets jzero.mesh.devices (the devices to plan for)")
 
     from rich.console import Console
     from rich.table import Table
@@ -36,9 +39,9 @@ def run(args: argparse.Namespace) -> int:
         for row in rows:
             row["step_time_floor_s"] = row["tflops_per_step"] * 1e12 / args.peak_flops
     if args.json:
-        print(json.dumps({"config": args.config, "devices": args.devices, "stages": rows}, indent=2))
+        print(json.dumps({"config": args.config, "devices": devices, "stages": rows}, indent=2))
         return 0
-    table = Table(title=f"jzero estimate: {args.config}, {args.devices} devices, per device")
+    table = Table(title=f"jzero estimate: {args.config}, {devices} devices, per device")
     table.add_column("quantity")
     for row in rows:
         table.add_column(f"ZeRO-{row['stage']}", justify="right")
