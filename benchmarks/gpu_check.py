@@ -24,7 +24,9 @@ rewritten after every row, so a window cut short keeps what it measured. Rows:
   blockwise (each implementation apart: one that fails or does not fit is recorded as such);
 - ``inference``: the KV-cached engine on a 350M GPT, bf16, one device: decode ms per step and
   tokens/s at 1, 8 and 32 slots with the weights on the device, in host memory (ZeRO-Inference)
-  and in int8.
+  and in int8;
+- ``tensor_parallel``: the collectives over the tensor and sequence groups of a Megatron-SP
+  (tp 2) and a Ulysses (sp 2) step as XLA:GPU compiles them (needs >= 2 devices).
 """
 from __future__ import annotations
 
@@ -131,6 +133,31 @@ def wire_dtypes_row(smoke: bool) -> dict:
     by = report.by_kind_dtype()
     widened = sorted({c.widened_to for c in report.collectives if c.widened_to})
     return {"elements_by_kind_dtype": {f"{k} {d}": v for (k, d), v in by.items()}, "widened_to": widened}
+
+
+def tensor_parallel_row(smoke: bool) -> dict:
+    """The tensor and sequence groups' collectives as the GPU compiler writes them: Megatron-SP's
+    reductions to token shards (an all-reduce and a slice on XLA:CPU; a reduce-scatter expected
+    here) and Ulysses' all-to-alls, by kind and mesh axes, per step."""
+    import jax
+
+    if jax.device_count() < 2:
+        return {"skipped": f"needs >= 2 devices for a tensor group, this machine has {jax.device_count()}"}
+    import jzero
+    from jzero.analysis import estimate, profile
+
+    out = {}
+    for name, split in (("megatron_sp_tp2", {"tensor_parallel": {"autotp_size": 2},
+                                             "jzero": {"mesh": {"megatron_sequence_parallel": True}}}),
+                        ("ulysses_sp2", {"sequence_parallel_size": 2})):
+        jz = split.pop("jzero", {})
+        cfg = jzero.load_config({"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
+                                 "zero_optimization": {"stage": 3}, **split,
+                                 "jzero": {**jz, "model": {"size": "tiny" if smoke else "small"}}})
+        step = estimate.compile_step(cfg)
+        traffic = profile.by_axes(profile.comm(step.compiled), step.state.plan.mesh)
+        out[name] = {f"{kind} over {'+'.join(axes)}": t.count for (kind, axes), t in sorted(traffic.items())}
+    return out
 
 
 OFFLOAD_CAP_GIB = 4.0  # the 350M GPT needs ~6 GiB on the device without offload, ~2.5 with
@@ -300,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         "offload": lambda: offload_row(args.smoke),
         "attention": lambda: attention_row(args.smoke),
         "inference": lambda: inference_row(args.smoke),
+        "tensor_parallel": lambda: tensor_parallel_row(args.smoke),
     }
     report = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "smoke": args.smoke, "rows": []}
     for name, fn in rows.items():

@@ -31,6 +31,19 @@ holds E / ep_size of them, and ZeRO shards them further over the devices that ho
 experts. Gradients are summed over every data axis the leaf's layout does not name (an expert's
 gradient never over "expert": each device's experts are its own).
 
+A leaf a tensor group splits (`jzero.zero.autotp`: its "tensor" dimension) is ZeRO's like any
+other, over the data devices, on what is left of it:
+
+    leaf                                   | "tensor" dim   | stages 1-3 (where the table says "sharded")
+    ---------------------------------------+----------------+-------------------------------------------
+    column kernel [.., d_in, d_out]        | d_out          | the largest free dim over the ZeRO group
+    row kernel / embedding [.., d_in, ..]  | d_in / vocab   | likewise (d_out / d_model)
+    column bias [.., d_out]                | d_out          | none free: whole over the data devices
+    LayerNorm, row bias, skipped           | -              | as without tensor parallelism
+
+Each device so holds 1/(tensor x ZeRO group) of a split leaf, and ZeRO's collectives move only its
+own block (`jzero.zero.mesh.on_model_blocks`). The sequence axis holds no params.
+
 Leaf rule: shard the largest dimension divisible by the ZeRO group size, never the stacked-layer
 dimension (leading dim of leaves under a ``"stacked"`` key, see `jzero.models.layers`), and keep any
 dimension the model already partitions (tensor parallel, the expert dim). At stage 3, params
