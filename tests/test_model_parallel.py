@@ -4,6 +4,10 @@ loop's numbers, the collectives the papers name read from the compiled HLO, per-
 from the compiled step, and one-line errors."""
 import dataclasses
 import functools
+import json
+import subprocess
+import sys
+import time
 
 import jax
 import numpy as np
@@ -15,7 +19,19 @@ from jzero.analysis import estimate, profile
 from jzero.models import gpt
 from jzero.zero import autotp, treepath
 
-from helpers import BATCH, EPS, GPT_CFG, LR, WD, assert_params_close, jzero_cli, plain_loop, token_batches
+from helpers import (
+    BATCH,
+    EPS,
+    GPT_CFG,
+    LR,
+    ROOT,
+    WD,
+    assert_params_close,
+    cli_env,
+    jzero_cli,
+    plain_loop,
+    token_batches,
+)
 
 GPT4 = dataclasses.replace(GPT_CFG, n_heads=4)  # d 32 in 4 heads of 8: tensor x sequence up to 4
 STEPS = 4  # compile time dominates; four AdamW steps show any drift a split would cause
@@ -255,53 +271,38 @@ def test_zero_collectives_move_each_devices_own_share():
         assert zero(split, kind)[("fsdp",)] == pytest.approx(zero(whole, kind)[("fsdp",)] * share, rel=0.01)
 
 
-@pytest.fixture
-def optimized():
-    """XLA's full pipeline, as `jzero estimate` and training compile (the suite's cheap one leaves
-    unfused temporaries that are no program's real peak)."""
-    jax.config.update("jax_disable_most_optimizations", False)
-    yield
-    jax.config.update("jax_disable_most_optimizations", True)
+def probe(what):
+    """`split_probe.py` ``what`` in a fresh process, XLA's full pipeline: its JSON."""
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "split_probe.py"), what], capture_output=True,
+                          text=True, timeout=600, env=cli_env(optimized=True), cwd=ROOT / "tests")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.splitlines()[-1])
 
 
 @pytest.mark.slow
-def test_params_and_activations_per_device_fall_by_the_split(optimized):
-    """Compiled per-device bytes: stored params (stage 1, replicated over the data devices) fall
-    by the tensor size; the step's temporaries (blockwise attention at T 2048, full remat) by the
-    tensor size with Megatron's sequence parallelism and by P under Ulysses; within 10%."""
-    def mem(tp, sp, msp=False):  # rotary positions: learned ones stay whole, as in Megatron
-        return profile.memory(compiled(tp, sp, msp, remat="full", seq_len=2048, positions="rotary").compiled)
-    base = mem(1, 1)
-    for tp, sp, msp in ((2, 1, True), (4, 1, True), (1, 2, False), (1, 4, False)):
-        m = mem(tp, sp, msp)
-        assert m.temp / base.temp == pytest.approx(1 / (tp * sp), rel=0.10), (tp, sp)
-        assert m.params / base.params == pytest.approx(1 / tp, rel=0.10), (tp, sp)
+def test_params_and_activations_per_device_fall_by_the_split():
+    """Compiled per-device bytes (GPT 3 x 128, T 2048, blockwise attention, full remat, ZeRO-1):
+    the step's temporaries fall by the tensor size with Megatron's sequence parallelism and by P
+    under Ulysses, stored params (replicated over the data devices) by the tensor size; within
+    10%."""
+    mem = probe("memory")
+    base = mem["1x1"]
+    for tp, sp in ((2, 1), (4, 1), (1, 2), (1, 4)):
+        m = mem[f"{tp}x{sp}"]
+        assert m["temp"] / base["temp"] == pytest.approx(1 / (tp * sp), rel=0.10), (tp, sp, m, base)
+        assert m["params"] / base["params"] == pytest.approx(1 / tp, rel=0.10), (tp, sp, m, base)
 
 
 LONG_BUDGET = 32 * 2**20  # bytes per device: what the GPT at T 16384 must fit in
 
 
 @pytest.mark.slow
-def test_a_sequence_one_device_cannot_hold_trains_split_over_eight(optimized):
+def test_a_sequence_one_device_cannot_hold_trains_split_over_eight():
     """The GPT at T = 16384 (blockwise attention, full remat): its compiled peak on one device is
     over the budget; with sequence_parallel_size 8 it is under it, and it trains."""
-    def long_config(sp):
-        return jzero.load_config({
-            "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 1}, "sequence_parallel_size": sp,
-            "gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
-            "jzero": {"mesh": {"devices": sp}, "remat": "full", "model": {
-                "name": "gpt", "n_layers": 1, "n_heads": 8, "d_model": 32, "d_ff": 64, "seq_len": 16384,
-                "vocab_size": 64, "positions": "rotary"}}})
-    whole, split = (profile.memory(estimate.compile_step(long_config(sp)).compiled).peak for sp in (1, 8))
-    assert whole > LONG_BUDGET > split, (whole, split)
-    cfg = long_config(8)
-    model = models.build(cfg)
-    state = jzero.init(model.init_fn, cfg, loss_fn=model.loss_fn, rng=0)
-    losses = []
-    for batch in token_batches(3, 1, 16384, 64):
-        state, metrics = jzero.train_step(state, batch)
-        losses.append(float(metrics["loss"]))
-    assert np.isfinite(losses).all() and losses[-1] < losses[0]
+    out = probe("long")
+    assert out["peak_sp1"] > LONG_BUDGET > out["peak_sp8"], out
+    assert np.isfinite(out["losses"]).all() and out["losses"][-1] < out["losses"][0], out
 
 
 @pytest.mark.slow
@@ -311,9 +312,6 @@ def test_estimate_plans_gpt3_175b_on_1024_devices():
     formula's (ZeRO-3 over 128 of each device's eighth), it fits an 80 GB GPU, and the tensor
     group's collectives are counted: Megatron-SP's all-gathers, 6 a layer a micro-batch
     (forward, the recompute, backward)."""
-    import json
-    import time
-
     start = time.perf_counter()
     proc = jzero_cli("estimate", "configs/gpt3_175b.json", "--json", timeout=300, optimized=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
