@@ -71,7 +71,7 @@ def trained(tp, sp, stage, accum, msp=False, hpz=1):
 
 SPLITS = [(2, 1), (4, 1), (1, 2), (1, 4), (2, 2)]
 CASES = [(tp, sp, stage, accum) for tp, sp in SPLITS for stage in (1, 3) for accum in (1, 4)]
-DEFAULT = {(2, 1, 3, 4), (2, 2, 3, 1)}
+DEFAULT = {(2, 1, 3, 4), (2, 2, 3, 1), (4, 1, 1, 1), (1, 4, 3, 4), (1, 2, 1, 4), (2, 2, 1, 4)}
 
 
 @pytest.mark.parametrize("tp,sp,stage,accum", [
@@ -137,11 +137,11 @@ def test_user_rules_come_first_and_name_themselves_in_errors():
     assert names["blocks/stacked/fc/kernel"] != jax.sharding.PartitionSpec()  # the defaults still apply after
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("tp", [1, 4])
-def test_checkpoint_from_tp2_restores_at_other_tensor_sizes_and_continues_exactly(tp, tmp_path):
-    """Saved at tp 2 x ZeRO-3 after two steps, restored at tp 1 or 4 (ZeRO-1), the remaining
-    steps give the plain loop's losses and params: the checkpoint holds global arrays."""
+def test_checkpoint_from_tp2_restores_at_tp4_and_continues_exactly(tmp_path):
+    """Saved at tp 2 x ZeRO-3 after two steps, restored at tp 4 x ZeRO-1, the remaining steps
+    give the plain loop's losses and params: the checkpoint holds global arrays (so tp 1, any
+    stage, any device count restores the same way: tests/test_checkpoint.py)."""
+    tp = 4
     from jzero.runtime.checkpoint import Checkpointer
 
     init_fn, loss_fn = gpt.make(GPT4)
@@ -164,7 +164,6 @@ def test_checkpoint_from_tp2_restores_at_other_tensor_sizes_and_continues_exactl
     jax.tree.map(assert_params_close, jax.device_get(restored.params), ref_params)
 
 
-@pytest.mark.slow
 def test_vit_with_tensor_parallel_matches_plain_loop():
     """The ViT's blocks (the GPT's Block, unmasked) split by the same table: qkv, fc and the class
     head column-wise, proj and out row-wise; the plain loop's losses and params."""
@@ -224,7 +223,6 @@ def test_megatron_tensor_parallel_is_two_all_reduces_a_layer_each_way():
         assert per_layer(step, kind, ("tensor",), False) == []
 
 
-@pytest.mark.slow
 def test_megatron_sequence_parallel_gathers_before_and_reduces_after():
     """Forward: the layer input all-gathered over the tensor group before qkv and fc (b*s*h each)
     and the partial sums of proj and out reduced back to token shards. XLA:CPU writes that
@@ -250,7 +248,6 @@ def test_ulysses_is_four_all_to_alls_a_layer_each_way_all_in_attention():
     assert outside == [] and dict(step.state.plan.mesh.shape)["sequence"] == sp
 
 
-@pytest.mark.slow
 def test_zero_collectives_move_each_devices_own_share():
     """Stage 3 with tensor groups of 2: ZeRO's all-gathers and reduce-scatters run over "fsdp"
     alone (none over the tensor group), and their elements per device are the tp 1 step's on the
@@ -290,7 +287,7 @@ def test_params_and_activations_per_device_fall_by_the_split():
     10%."""
     mem = probe("memory")
     base = mem["1x1"]
-    for tp, sp in ((2, 1), (4, 1), (1, 2), (1, 4)):
+    for tp, sp in ((4, 1), (1, 2), (1, 4)):
         m = mem[f"{tp}x{sp}"]
         assert m["temp"] / base["temp"] == pytest.approx(1 / (tp * sp), rel=0.10), (tp, sp, m, base)
         assert m["params"] / base["params"] == pytest.approx(1 / tp, rel=0.10), (tp, sp, m, base)
