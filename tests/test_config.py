@@ -83,7 +83,7 @@ BAD = [
     (base(scheduler={"type": "OneCycle", "params": {"cycle_min_lr": "auto", "cycle_max_lr": 1e-3,
                                                     "cycle_first_step_size": 10}}), 8,
      r"scheduler.params.cycle_min_lr: 'auto' has no source"),
-    (base(pipeline={"stages": 2}), 8, r"pipeline: not supported by jzero: pipeline parallelism"),
+    (base(pipeline={"stages": 2, "partition": "best"}), 8, r"pipeline.partition: 'best' is not one of parameters"),
     (base(moe={"num_experts": 4, "k": 5}), 8, r"moe.k: must be in 1..num_experts \(4\), got 5"),
     (base(moe={"num_experts": 6, "ep_size": 4}), 8, r"moe.ep_size: 4 does not divide num_experts 6"),
     (base(moe={"capacity_factor": 0}), 8, r"moe.capacity_factor: must be > 0, got 0"),

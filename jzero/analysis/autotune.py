@@ -129,7 +129,8 @@ def time_candidate(raw: dict[str, Any], compiled: Any, abstract: Any, steps: int
     the ``abstract`` one the executable was compiled for."""
     config = load_config(raw)
     model = models.build(config)
-    real = init(model.init_fn, config, loss_fn=model.loss_fn, rng=0, mesh=make_mesh(config))
+    real = init(model.init_fn, config, loss_fn=model.loss_fn, rng=0, mesh=make_mesh(config),
+                stages=model.stages)
     state = jax.tree.unflatten(jax.tree.structure(abstract), jax.tree.leaves(real))
     batch = jax.device_put(model.example_batch(state.config.train_batch_size), state.plan.batch)
     times = []

@@ -134,7 +134,8 @@ def compile_step(config: Config) -> CompiledStep:
     """The config's training step compiled on abstract shapes for its reference model; nothing
     is allocated."""
     model = models.build(config)
-    state = abstract_init(model.init_fn, config, loss_fn=model.loss_fn, mesh=make_mesh(config))
+    state = abstract_init(model.init_fn, config, loss_fn=model.loss_fn, mesh=make_mesh(config),
+                          stages=model.stages)
     batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=state.plan.batch)
              for k, v in model.batch_spec(state.config.train_batch_size).items()}
     t0 = time.perf_counter()

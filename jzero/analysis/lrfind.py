@@ -90,7 +90,7 @@ def range_test(raw: dict[str, Any], min_lr: float = 1e-7, max_lr: float = 1.0, s
     config = load_config({**{k: v for k, v in raw.items() if k != "scheduler"}, "optimizer": optimizer})
     task = tasks.build(config)
     state = init(task.model.init_fn, config, loss_fn=task.model.loss_fn, rng=jax.random.key(config.seed),
-                 mesh=make_mesh(config))
+                 mesh=make_mesh(config), stages=task.model.stages)
     ratio = max_lr / min_lr
     sweep = optim.build(config, lr=lambda t: min_lr * ratio ** (jnp.asarray(t, jnp.float32) / (steps - 1)))
     box = [state.replace(tx=sweep.tx)]  # the same optimizer state, the lr of the sweep

@@ -20,12 +20,12 @@ from typing import Any, Literal
 from jzero.config.attention import AttentionConfig, SparseAttentionConfig
 from jzero.config.elastic import micro_batch, v01, v02
 from jzero.config.model import ModelConfig
-from jzero.config.parallel import TensorParallelConfig, TPLayerSpec, data_devices, model_parallel_size
+from jzero.config.parallel import PipelineConfig, TensorParallelConfig, TPLayerSpec, data_devices, model_parallel_size
 from jzero.config.typed import AUTO, ConfigError, ConfigWarning, auto_field, parse, read_json, to_dict, unknown
 
 __all__ = ["AUTO", "AttentionConfig", "ConfigError", "ConfigWarning", "ModelConfig",  # re-exported
-           "SparseAttentionConfig", "TPLayerSpec", "TensorParallelConfig", "data_devices", "model_parallel_size",
-           "read_json", "unknown"]
+           "PipelineConfig", "SparseAttentionConfig", "TPLayerSpec", "TensorParallelConfig", "data_devices",
+           "model_parallel_size", "read_json", "unknown"]
 
 
 # ---- Sections (the model's live in `model`, the attention ones in `attention`) --------------
@@ -296,6 +296,7 @@ class Config:
     sparse_attention: SparseAttentionConfig | None = None
     tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
     sequence_parallel_size: int = 1  # DeepSpeed-Ulysses: devices splitting each sequence
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     elasticity: ElasticityConfig = field(default_factory=ElasticityConfig)
     jzero: JzeroConfig = field(default_factory=JzeroConfig)
     # Resolution record (not user keys).

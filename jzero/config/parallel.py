@@ -1,6 +1,7 @@
-"""The model-parallel sections: DeepSpeed's ``tensor_parallel`` (AutoTP training) and the
-device arithmetic of ``sequence_parallel_size`` (DeepSpeed-Ulysses): what tensor and sequence
-parallelism take of the devices, and so the data-parallel size the batch rule sees.
+"""The model-parallel sections: DeepSpeed's ``tensor_parallel`` (AutoTP training), ``pipeline``
+(its PipelineModule's stages) and the device arithmetic of ``sequence_parallel_size``
+(DeepSpeed-Ulysses): what pipeline, tensor and sequence parallelism take of the devices, and so
+the data-parallel size the batch rule sees.
 """
 from __future__ import annotations
 
@@ -47,19 +48,33 @@ class TensorParallelConfig:
         return max(self.autotp_size, 1)
 
 
+@dataclass(frozen=True)
+class PipelineConfig:
+    """DeepSpeed's ``pipeline`` section with its PipelineModule's arguments: ``stages`` devices
+    in a row each hold a contiguous share of the model's layer stack (1: off), chosen by
+    ``partition`` (DeepSpeed's ``partition_method``: "parameters", "uniform" or "type:REGEX"
+    over the layers' class names; `jzero.zero.pipeline`). Micro-batches are
+    ``gradient_accumulation_steps``, run by the 1F1B schedule."""
+
+    stages: int = 1
+    partition: str = "parameters"
+
+
 def model_parallel_size(cfg: Any) -> int:
-    """Devices that hold one model replica's split: the tensor group x the sequence group."""
-    return cfg.tensor_parallel.size * cfg.sequence_parallel_size
+    """Devices that hold one model replica's split: the pipeline's stages x the tensor group x
+    the sequence group."""
+    return cfg.pipeline.stages * cfg.tensor_parallel.size * cfg.sequence_parallel_size
 
 
 def data_devices(cfg: Any, devices: int) -> int:
     """The data-parallel size of ``devices``: what tensor and sequence parallelism leave (DeepSpeed's
     dp world = world / (tp x sp)); ConfigError naming the key when they do not divide it."""
-    for key, size in (("tensor_parallel.autotp_size", cfg.tensor_parallel.autotp_size),
+    for key, size in (("pipeline.stages", cfg.pipeline.stages),
+                      ("tensor_parallel.autotp_size", cfg.tensor_parallel.autotp_size),
                       ("sequence_parallel_size", cfg.sequence_parallel_size)):
         if size < 0 or (size > 1 and devices % size):
             raise ConfigError(f"{key}: {size} does not divide the {devices} devices of the mesh")
     if devices % model_parallel_size(cfg):
-        raise ConfigError(f"tensor_parallel.autotp_size x sequence_parallel_size = {model_parallel_size(cfg)} does "
-                          f"not divide the {devices} devices of the mesh")
+        raise ConfigError(f"pipeline.stages x tensor_parallel.autotp_size x sequence_parallel_size = "
+                          f"{model_parallel_size(cfg)} does not divide the {devices} devices of the mesh")
     return devices // model_parallel_size(cfg)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from jzero.config import ConfigError, ModelConfig
 
@@ -26,6 +26,21 @@ class Model:
     tokens_per_example: int
     step_metrics: tuple[str, ...] = ()  # scalars of the loss's aux dict shown and logged every step
     forward: Callable[[Any, Any], Any] | None = None  # (params, inputs) -> outputs, for held-out metrics
+    stages: Stages | None = None  # the model cut for a pipeline (None: it cannot be pipelined)
+
+
+class Stages(NamedTuple):
+    """A model cut for a pipeline (`jzero.train.pipeline`): its layer stack, the params under
+    ``params[stack]["stacked"]`` (leading dim = blocks), and its two ends, the rest of the
+    params. The first stage embeds, every stage runs its own blocks, the last computes the loss;
+    the ends' params are every stage's, so tied embeddings are one leaf whose gradient sums
+    the first stage's and the last's (DeepSpeed's ``TiedLayerSpec``)."""
+
+    stack: str  # the params key of the layer stack
+    block: str  # the blocks' class name, which ``pipeline.partition: "type:REGEX"`` searches
+    embed: Callable[[Any, Any], Any]  # (ends' params, micro-batch) -> the first block's input
+    layers: Callable[[Any, Any], Any]  # (params[stack] of any number of blocks, x) -> x
+    head: Callable[[Any, Any, Any], Any]  # (ends' params, last block's output, micro-batch) -> loss
 
 
 def from_section(section: ModelConfig, sizes: dict[str, Any], remat: str, positive: tuple[str, ...]) -> Any:

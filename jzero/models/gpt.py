@@ -24,9 +24,9 @@ from jax.ad_checkpoint import checkpoint_name
 from jzero.config import AttentionConfig, Config, ConfigError, ModelConfig, SparseAttentionConfig
 from jzero.models import attention, tiles
 from jzero.models.adapters import from_linen
-from jzero.models.base import Model, from_section
+from jzero.models.base import Model, Stages, from_section
 from jzero.models.kvcache import Decoder, Decoding, KVCache
-from jzero.models.layers import scan_layers
+from jzero.models.layers import run_stack, scan_layers
 from jzero.models.moe import MoE, MoESpec, MoEStats, spec_from_config
 from jzero.zero import modelaxes
 
@@ -255,6 +255,24 @@ def decoder(cfg: GPTConfig) -> Decoder:
                    max_len=cfg.seq_len, vocab_size=cfg.vocab_size)
 
 
+def stages(cfg: GPTConfig) -> Stages:
+    """The dense GPT cut for a pipeline: token (and position) embeddings, any run of its
+    blocks under its remat policy, the final LayerNorm and head with the model's own loss."""
+    model, block = GPT(cfg), Block(cfg)
+
+    def embed(ends, batch):
+        return model.apply({"params": ends}, batch["inputs"], method=GPT.embed)
+
+    def layers(stack, x):
+        return run_stack(lambda p, h, _: block.apply({"params": p}, h), x, stack["stacked"], None, cfg.remat)
+
+    def head(ends, x, batch):
+        targets = batch["targets"] if cfg.loss_tile else None
+        return _loss(cfg, model.apply({"params": ends}, x, targets, method=GPT.output), batch)
+
+    return Stages(stack="blocks", block=type(block).__name__, embed=embed, layers=layers, head=head)
+
+
 def model_flops(cfg: GPTConfig, tokens: int) -> dict[str, float]:
     """Analytic training FLOPs (forward + backward, no recompute) for ``tokens`` tokens:
     6 x matmul params x tokens (the layers' qkv, proj, fc, out and the LM head; the embedding
@@ -303,7 +321,8 @@ def build(config: Config) -> Model:
     return Model(name="gpt", spec=cfg, init_fn=init_fn, loss_fn=loss_fn, batch_spec=batch_spec,
                  example_batch=example_batch, tokens_per_example=cfg.seq_len,
                  flops=lambda batch_size: model_flops(cfg, batch_size * cfg.seq_len),
-                 step_metrics=MOE_METRICS if cfg.moe is not None else ())
+                 step_metrics=MOE_METRICS if cfg.moe is not None else (),
+                 stages=None if cfg.moe is not None else stages(cfg))
 
 
 MOE_METRICS = ("lm_loss", "moe_aux_loss", "moe_dropped", "moe_load")

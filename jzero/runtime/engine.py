@@ -44,10 +44,12 @@ class Engine:
         self.resumed = checkpointer is not None and bool(checkpointer.agreed_steps()[0])
         if self.resumed:
             self.watch.enter("restore")
-            self.state: TrainState = checkpointer.restore(abstract_init(init_fn, config, loss_fn=loss_fn, mesh=mesh))
+            self.state: TrainState = checkpointer.restore(abstract_init(init_fn, config, loss_fn=loss_fn, mesh=mesh,
+                                                                    stages=self.model.stages))
             self.watch.pause()
         else:
-            self.state = init(init_fn, config, loss_fn=loss_fn, rng=jax.random.key(config.seed), mesh=mesh)
+            self.state = init(init_fn, config, loss_fn=loss_fn, rng=jax.random.key(config.seed), mesh=mesh,
+                              stages=self.model.stages)
         self.config = self.state.config  # batch rule resolved for the real mesh
 
     def header(self, flags: list[str]) -> list[str]:

@@ -34,11 +34,10 @@ from jzero.config import (
     with_hidden_size,
 )
 from jzero.models import moe
-from jzero.zero import groups, optim, remat, schedules
+from jzero.zero import groups, optim, pipeline, remat, schedules
 
 # DeepSpeed features jzero refuses (they change what is trained or where memory lives).
 UNSUPPORTED_SECTIONS = {
-    "pipeline": "pipeline parallelism is not implemented; jzero shards with ZeRO over the mesh",
     "amp": "NVIDIA apex AMP does not exist in JAX; use the bf16 or fp16 section",
     "compression_training": "compression training is not implemented",
     "curriculum_learning": "curriculum learning is not implemented",
@@ -129,20 +128,27 @@ def _check_elasticity_keys(raw: Mapping[str, Any]) -> None:
 
 
 def _check_model_parallel(cfg: Config) -> None:
-    """ConfigError naming the key when tensor or sequence parallelism meets what it does not
-    compose with: MoE (experts split over the data devices only), ZeRO++'s int8 wire and
-    offload (both flatten or move whole shards, which the compiler's model axes would gather)."""
-    tp, sp, zero = cfg.tensor_parallel, cfg.sequence_parallel_size, cfg.zero_optimization
+    """ConfigError naming the key when pipeline, tensor or sequence parallelism meets what it does
+    not compose with: MoE (experts split over the data devices only), ZeRO++'s int8 wire and
+    offload (both flatten or move whole shards, which the compiler's model axes would gather);
+    a pipeline also not with Ulysses (its stages move whole sequences)."""
+    tp, sp, zero, pp = cfg.tensor_parallel, cfg.sequence_parallel_size, cfg.zero_optimization, cfg.pipeline
     if tp.autotp_size < 0:
         raise ConfigError(f"tensor_parallel.autotp_size: must be >= 0 (0 or 1: off), got {tp.autotp_size}")
     if sp < 1:
         raise ConfigError(f"sequence_parallel_size: must be >= 1, got {sp}")
+    if pp.stages < 1:
+        raise ConfigError(f"pipeline.stages: must be >= 1 (1: off), got {pp.stages}")
+    pipeline.check_method(pp.partition)
     if cfg.jzero.mesh.megatron_sequence_parallel and tp.size == 1:
         raise ConfigError("jzero.mesh.megatron_sequence_parallel: splits the tensor group's tokens; it needs "
                           "tensor_parallel.autotp_size > 1")
-    if tp.size * sp == 1:
+    if pp.stages > 1 and sp > 1:
+        raise ConfigError(f"pipeline.stages: not with sequence_parallel_size {sp} (a stage sends whole sequences)")
+    if tp.size * sp * pp.stages == 1:
         return
-    key = "tensor_parallel.autotp_size" if tp.size > 1 else "sequence_parallel_size"
+    key = next(k for k, n in (("pipeline.stages", pp.stages), ("tensor_parallel.autotp_size", tp.size),
+                              ("sequence_parallel_size", sp)) if n > 1)
     refused = [("moe", cfg.moe is not None, "experts are split over the data devices only"),
                ("zero_optimization.zero_quantized_weights", zero.zero_quantized_weights, "int8 blocks flatten a "
                 "shard"), ("zero_optimization.zero_quantized_gradients", zero.zero_quantized_gradients,

@@ -17,8 +17,9 @@ from flax import struct
 from jax.sharding import Mesh
 
 from jzero.config import Config, ConfigError
+from jzero.models.base import Stages
 from jzero.train.resolve import offload_kinds, resolve_auto_sizes
-from jzero.zero import autotp, groups, modelstate, optim, precision, sharding, treepath
+from jzero.zero import autotp, groups, modelstate, optim, pipeline, precision, sharding, treepath
 from jzero.zero.mesh import data_parallel_size, make_mesh
 
 LossFn = Callable[[Any, Any, jax.Array], Any]
@@ -29,7 +30,8 @@ class TrainState(struct.PyTreeNode):
 
     ``loss_scale`` holds the fp16 dynamic loss-scaler state (None when fp16 is off);
     ``model_state`` the model's non-parameter variables, replicated (None for a stateless model:
-    `jzero.zero.modelstate`). Static fields (loss_fn, tx, plan, config) are compared by identity by ``jax.jit``.
+    `jzero.zero.modelstate`); ``stages`` the model cut for a pipeline (`jzero.models.base.Stages`;
+    None: not pipelined). Static fields (loss_fn, tx, plan, config) are compared by identity by ``jax.jit``.
     """
 
     step: jax.Array
@@ -42,11 +44,13 @@ class TrainState(struct.PyTreeNode):
     tx: optax.GradientTransformation = struct.field(pytree_node=False)
     plan: sharding.Plan = struct.field(pytree_node=False)
     config: Config = struct.field(pytree_node=False)
+    stages: Stages | None = struct.field(pytree_node=False, default=None)
 
 
 def init(init_fn: Callable[[jax.Array], Any], config: Config, *, loss_fn: LossFn,
          rng: jax.Array | int, mesh: Mesh | None = None, model_specs: Any = None, params: Any = None,
-         model_state: Any = None, tx: optax.GradientTransformation | None = None) -> TrainState:
+         model_state: Any = None, tx: optax.GradientTransformation | None = None,
+         stages: Stages | None = None) -> TrainState:
     """Build a sharded TrainState: ``init_fn(rng) -> params``; ``loss_fn(params, batch, rng)``.
 
     ``loss_fn`` returns a scalar loss or ``(loss, aux)``. A model with state (BatchNorm
@@ -60,9 +64,11 @@ def init(init_fn: Callable[[jax.Array], Any], config: Config, *, loss_fn: LossFn
     ``model_state`` likewise starts a stateful model from given statistics
     (`jzero.load_model_state`). ``tx``: a client optimizer (any optax transformation, its own
     schedule included) instead of the config's ``optimizer`` section; its param-shaped state
-    follows the ZeRO layout of its param, the rest is replicated.
+    follows the ZeRO layout of its param, the rest is replicated. ``stages``: the model cut for
+    a pipeline (`jzero.models.base.Stages`, a reference model's ``.stages``), which
+    ``pipeline.stages > 1`` needs.
     """
-    prep = _prepare(init_fn, config, rng, mesh, model_specs, tx)
+    prep = _prepare(init_fn, config, rng, mesh, model_specs, tx, stages)
     plan = prep.plan
     if params is None:
         params = jax.jit(prep.make_params, out_shardings=plan.params)(prep.key)
@@ -81,7 +87,7 @@ def init(init_fn: Callable[[jax.Array], Any], config: Config, *, loss_fn: LossFn
     loss_scale = None if scaler is None else replicated(scaler.init, plan)
     return TrainState(step=replicated(lambda: jnp.zeros((), jnp.int32), plan), params=params,
                       opt_state=opt_state, rng=step_rng, loss_scale=loss_scale, model_state=model_state,
-                      loss_fn=loss_fn, tx=prep.tx, plan=plan, config=prep.config)
+                      loss_fn=loss_fn, tx=prep.tx, plan=plan, config=prep.config, stages=stages)
 
 
 def device_params(state: TrainState) -> Any:
@@ -101,10 +107,10 @@ def replicated(fn: Callable[..., Any], plan: sharding.Plan, *args: Any) -> Any:
 
 def abstract_init(init_fn: Callable[[jax.Array], Any], config: Config, *, loss_fn: LossFn,
                   mesh: Mesh | None = None, model_specs: Any = None,
-                  tx: optax.GradientTransformation | None = None) -> TrainState:
+                  tx: optax.GradientTransformation | None = None, stages: Stages | None = None) -> TrainState:
     """The TrainState `init` would build, as `jax.ShapeDtypeStruct`s carrying the Plan's
     shardings: nothing is allocated, so ``train_step.lower(state, batch)`` plans any size."""
-    prep = _prepare(init_fn, config, 0, mesh, model_specs, tx)
+    prep = _prepare(init_fn, config, 0, mesh, model_specs, tx, stages)
     plan = prep.plan
 
     def abstract(tree, shardings):
@@ -122,7 +128,7 @@ def abstract_init(init_fn: Callable[[jax.Array], Any], config: Config, *, loss_f
                       opt_state=abstract(jax.eval_shape(prep.tx.init, params_shape), plan.opt_state),
                       rng=jax.ShapeDtypeStruct(rng_shape.shape, rng_shape.dtype, sharding=plan.replicated),
                       loss_scale=loss_scale, model_state=model_state, loss_fn=loss_fn, tx=prep.tx, plan=plan,
-                      config=prep.config)
+                      config=prep.config, stages=stages)
 
 
 def _place(values: Any, shapes: Any, shardings: Any, what: str) -> Any:
@@ -142,6 +148,19 @@ def _place(values: Any, shapes: Any, shardings: Any, what: str) -> Any:
     return treepath.fill(shapes, {n: put(n, want[n], s) for n, s in treepath.named_leaves(shardings).items()})
 
 
+def _staged(config: Config, params_shape: Any, specs: Any, stages: Stages | None, stateful: bool) -> Any:
+    """``specs`` with the layer stack over the pipeline's stages (unchanged without a pipeline);
+    ConfigError naming ``pipeline.stages`` for a model that cannot be pipelined."""
+    pp = config.pipeline
+    if pp.stages == 1:
+        return specs
+    if stages is None or stateful:
+        why = ("has model state" if stateful
+               else "was not cut into stages (init(stages=...): a reference model's .stages)")
+        raise ConfigError(f"pipeline.stages: {pp.stages} needs a model cut into stages; this one {why}")
+    return pipeline.stage_specs(specs, params_shape, stages.stack, stages.block, pp.stages, pp.partition)
+
+
 class _Prepared(NamedTuple):
     config: Config
     key: jax.Array
@@ -151,7 +170,7 @@ class _Prepared(NamedTuple):
     plan: sharding.Plan
 
 
-def _prepare(init_fn, config, rng, mesh, model_specs, tx) -> _Prepared:
+def _prepare(init_fn, config, rng, mesh, model_specs, tx, stages) -> _Prepared:
     """Resolve the config for the mesh, build the optimizer (or take the client's ``tx``) and
     the Plan from params' shapes."""
     mesh = mesh if mesh is not None else make_mesh(config)
@@ -180,6 +199,7 @@ def _prepare(init_fn, config, rng, mesh, model_specs, tx) -> _Prepared:
     config = resolve_auto_sizes(config, params_shape)
     tx = optim.build(config).tx if tx is None else groups.wrap(config, lambda _: tx)  # frozen leaves kept
     model_specs = autotp.model_specs(config, params_shape) if model_specs is None else model_specs
+    model_specs = _staged(config, params_shape, model_specs, stages, stateful)
     offload, offload_params = offload_kinds(config.zero_optimization)
     plan = sharding.plan(params_shape, tx, mesh, config.zero_optimization.stage,
                          persistence_threshold=config.zero_optimization.stage3_param_persistence_threshold,

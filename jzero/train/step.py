@@ -22,9 +22,10 @@ import optax
 from jax.experimental.compute_on import compute_on
 from jax.sharding import PartitionSpec as P
 
+from jzero.train import collectives, pipestep
 from jzero.train.state import TrainState
-from jzero.zero import buckets, dots, fused, groups, hooks, modelaxes, modelstate, optim, phase, precision, treepath
-from jzero.zero.mesh import DATA_AXES, data_parallel_size, model_parallel, over_data
+from jzero.zero import buckets, fused, groups, hooks, modelaxes, modelstate, optim, phase, precision, treepath
+from jzero.zero.mesh import DATA_AXES, data_parallel_size, over_data
 from jzero.zero.rows import split_over
 from jzero.zero.sharding import ZERO_RULES
 
@@ -45,7 +46,10 @@ def train_step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax
     rng = jax.random.fold_in(state.rng, state.step)
     scaler = precision.loss_scaler(cfg)
     scale = state.loss_scale.scale if scaler is not None else jnp.float32(1.0)
-    loss, aux, grads, model_state = _accumulated_grads(state, _compute_params(state), batch, rng, scale)
+    if state.config.pipeline.stages > 1:
+        (loss, grads), aux, model_state = pipestep.pipelined_grads(state, state.params, batch, scale), None, None
+    else:
+        loss, aux, grads, model_state = _accumulated_grads(state, _compute_params(state), batch, rng, scale)
     scaled_norm = global_norm(grads)  # the one global reduction: also the overflow check
     grad_norm = scaled_norm / scale
     divisor = scale
@@ -159,7 +163,7 @@ def _loss_and_aux(state: TrainState, params: Any, batch: Any, rng: jax.Array, sc
     new value: ``(loss x scale, (loss, aux, new model state or None))``."""
     if ctx is None:
         params = precision.cast_floating(params, precision.policy(state.config).compute_dtype)
-    with hooks.active(ctx), split_over(DATA_AXES), modelaxes.active(model_axes(state.config)):
+    with hooks.active(ctx), split_over(DATA_AXES), modelaxes.active(collectives.model_axes(state.config)):
         if model_state is None:
             out, new_state = state.loss_fn(params, batch, rng), None
         else:
@@ -204,7 +208,7 @@ def _local_loss(state: TrainState, hooked: Any, stored: Any, targets: Any, acc: 
     (stages 2-3)."""
     if hooked is None and acc is None:
         return _loss_and_aux(state, targets, rows, rng, scale, model_state=model_state)
-    ctx = hooks.HookContext(wire(state.config, state.plan.mesh), on_host=state.plan.compute_on_host)
+    ctx = hooks.HookContext(collectives.wire(state.config, state.plan.mesh), on_host=state.plan.compute_on_host)
     params = (hooks.bind(ctx, hooked, stored, targets) if hooked is not None
               else hooks.bind_accumulators(ctx, targets, acc))
     return _loss_and_aux(state, params, rows, rng, scale, ctx, model_state)
@@ -260,7 +264,8 @@ def _accumulated_grads(state: TrainState, stored: Any, batch: Any, rng: jax.Arra
             loss, aux, acc, model_state = _sum_over_micro_batches(
                 grad_fn, micro, rng, (zeros, loss0, jax.tree.map(hooks.vary, model_state)))
         if hooked is None:
-            acc = jax.tree.map(functools.partial(_reduce_once, on_wire=wire(cfg, plan.mesh)), acc, plan.grads, frozen)
+            on_wire = collectives.wire(cfg, plan.mesh)
+            acc = jax.tree.map(functools.partial(collectives.reduce_once, on_wire=on_wire), acc, plan.grads, frozen)
         aux = None if aux is None else jax.tree.map(lambda a: jax.lax.pmean(a, DATA_AXES), aux)
         acc = jax.tree.map(lambda g: g / count, acc) if fp16 else acc
         return (jax.lax.psum(loss, DATA_AXES) / count, aux, acc,
@@ -293,12 +298,6 @@ def _stop_frozen(targets: Any, frozen: Any) -> Any:
     return jax.tree.map(lambda t, f: jax.lax.stop_gradient(t) if f else t, targets, frozen)
 
 
-def _zeros_like_shard(g: jax.Array, layout: Any) -> jax.Array:
-    """A frozen leaf's gradient as this device's block of ``layout``: zeros, never reduced
-    (stages 0-1 accumulate full local gradients; the reduction would make the shard)."""
-    return jnp.zeros(layout.shard_shape(g.shape), g.dtype)
-
-
 def _targets(state: TrainState) -> Any:
     """What the hooks of stages 2-3 send each reduced gradient to: fp32 zeros in the gradient
     layout (only their type matters; XLA never materializes them)."""
@@ -318,32 +317,6 @@ def _sum_over_micro_batches(grad_fn, micro: Any, rng: jax.Array, start: Any):
     steps = jax.tree.leaves(micro)[0].shape[0]
     (acc, loss_sum, ms), aux = jax.lax.scan(body, start, (micro, jnp.arange(steps)))
     return loss_sum, None if aux is None else jax.tree.map(lambda a: jnp.mean(a, axis=0), aux), acc, ms
-
-
-def _reduce_once(g: jax.Array, layout: Any, frozen: bool, on_wire: hooks.Wire) -> jax.Array:
-    """A device's accumulated gradient summed over the data devices as ``on_wire`` says, laid
-    out as ``layout``: reduce-scattered along its ZeRO dimension, else all-reduced; a frozen
-    leaf's is zeros, never reduced."""
-    if frozen:
-        return _zeros_like_shard(g, layout)
-    return hooks.reduce([g], [hooks.reduction(layout.spec)], on_wire)[0].astype(g.dtype)
-
-
-def wire(cfg: Any, mesh: Any) -> hooks.Wire:
-    """What the config's collectives move: params in the compute dtype, gradients in
-    ``communication_data_type``; int8 blocks of ``jzero.quantization_block_size`` elements
-    with ZeRO++'s ``zero_quantized_weights`` / ``zero_quantized_gradients``; weight gradients
-    unfolded where ``mesh``'s backend needs it (`jzero.zero.dots`)."""
-    pol, zero, block = precision.policy(cfg), cfg.zero_optimization, cfg.jzero.quantization_block_size
-    return hooks.Wire(pol.compute_dtype, pol.comm_dtype, block if zero.zero_quantized_weights else None,
-                      block if zero.zero_quantized_gradients else None, dots.applies(mesh.devices.flat[0].platform),
-                      leafwise=model_parallel(mesh))
-
-
-def model_axes(cfg: Any) -> modelaxes.ModelAxes:
-    """The config's model axes: the activation layout the loss is traced under."""
-    return modelaxes.ModelAxes(cfg.sequence_parallel_size, cfg.tensor_parallel.size,
-                               cfg.jzero.mesh.megatron_sequence_parallel)
 
 
 def _check_batch(batch: Any, expected: int) -> None:

@@ -1,7 +1,9 @@
-"""The device mesh: axes ("replica", "fsdp", "expert", "sequence", "tensor"). Data parallelism
-spans the first three; "sequence" (DeepSpeed-Ulysses) and "tensor" (Megatron / AutoTP) split
-each replica's model and activations, innermost (``tensor_parallel.autotp_size`` and
-``sequence_parallel_size`` devices, 1 each when off), so a tensor group is adjacent devices.
+"""The device mesh: axes ("stage", "replica", "fsdp", "expert", "sequence", "tensor"). "stage"
+is the pipeline's, outermost (the slowest links carry only a stage's boundary activations;
+``pipeline.stages`` devices, 1 when off). Data parallelism spans the next three; "sequence"
+(DeepSpeed-Ulysses) and "tensor" (Megatron / AutoTP) split each replica's model and activations,
+innermost (``tensor_parallel.autotp_size`` and ``sequence_parallel_size`` devices, 1 each when
+off), so a tensor group is adjacent devices.
 
 ZeRO shards non-expert params over ("fsdp", "expert") -- the ZeRO group, every device when
 ``replica = 1`` -- and expert params over "fsdp" alone, since "expert" splits the experts
@@ -9,7 +11,7 @@ themselves (`jzero.zero.sharding`). ``moe.ep_size`` sizes "expert" (1 without Mo
 ``zero_hpz_partition_size = k > 1`` gives hierarchical partitioning (ZeRO++ hpZ / HSDP): a ZeRO
 group of k devices, replicated across ``replica``. Expert groups are contiguous devices, as in
 DeepSpeed. Axes are `AxisType.Auto` so GSPMD propagates shardings and `with_sharding_constraint`
-binds. The data axes are jzero's own (the step's ``shard_map`` is manual over them); the model
+binds. The stage and data axes are jzero's own (the step's ``shard_map`` is manual over them); the model
 axes are the compiler's, steered by the params' specs (`jzero.zero.autotp`) and activation
 constraints (`jzero.zero.modelaxes`).
 """
@@ -26,10 +28,10 @@ from jax.sharding import PartitionSpec as P
 
 from jzero.config import Config, ConfigError, data_devices
 
-REPLICA, FSDP, EXPERT, SEQUENCE, TENSOR = "replica", "fsdp", "expert", "sequence", "tensor"
+STAGE, REPLICA, FSDP, EXPERT, SEQUENCE, TENSOR = "stage", "replica", "fsdp", "expert", "sequence", "tensor"
 DATA_AXES = (REPLICA, FSDP, EXPERT)  # the batch is split over every data-parallel device
 MODEL_AXES = (SEQUENCE, TENSOR)  # each replica's model split (trivial axes when off)
-AXES = DATA_AXES + MODEL_AXES
+AXES = (STAGE,) + DATA_AXES + MODEL_AXES
 
 
 def make_mesh(config: Config, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -48,7 +50,8 @@ def make_mesh(config: Config, devices: Sequence[jax.Device] | None = None) -> Me
         raise ConfigError(f"moe.ep_size: {ep} does not divide the ZeRO group of {zero} devices "
                           "(jzero.mesh.fsdp / zero_hpz_partition_size)")
     sp, tp = config.sequence_parallel_size, config.tensor_parallel.size
-    grid = np.array(devices, dtype=object).reshape(n // zero, zero // ep, ep, sp, tp)
+    pp = config.pipeline.stages
+    grid = np.array(devices, dtype=object).reshape(pp, n // zero, zero // ep, ep, sp, tp)
     return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
 
@@ -60,20 +63,20 @@ def model_parallel(mesh: Mesh) -> bool:
 def manual_axes(mesh: Mesh) -> frozenset[str]:
     """The axes the step's ``shard_map`` runs by hand: every axis, unless the model is split, when
     the sequence and tensor axes are left to the compiler (a partial-manual ``shard_map``)."""
-    return frozenset(DATA_AXES if model_parallel(mesh) else mesh.axis_names)
+    return frozenset((STAGE, *DATA_AXES) if model_parallel(mesh) else mesh.axis_names)
 
 
 def data_spec(spec: P) -> P:
     """``spec`` with the model axes dropped: what a ``shard_map`` over the data axes is told."""
-    return _keeping(spec, lambda a: a not in MODEL_AXES)
+    return keeping(spec, lambda a: a not in MODEL_AXES)
 
 
 def model_spec(spec: P) -> P:
     """``spec`` with only its model axes: a leaf's split over "sequence" and "tensor"."""
-    return _keeping(spec, lambda a: a in MODEL_AXES)
+    return keeping(spec, lambda a: a in MODEL_AXES)
 
 
-def _keeping(spec: P, keep: Callable[[str], bool]) -> P:
+def keeping(spec: P, keep: Callable[[str], bool]) -> P:
     """``spec`` with only the axes ``keep`` accepts, in canonical form (no trailing None)."""
     def entry(e: Any) -> Any:
         axes = tuple(a for a in ((e,) if isinstance(e, str) else tuple(e or ())) if keep(a))
