@@ -16,9 +16,10 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import jax
+from jax.sharding import NamedSharding
 
 from jzero import models
-from jzero.analysis import profile
+from jzero.analysis import hlo, profile
 from jzero.analysis.hlo import DTYPE_BYTES
 from jzero.config import Config
 from jzero.models import attention
@@ -26,7 +27,8 @@ from jzero.models.moe import DISPATCH
 from jzero.train.resolve import check_zero
 from jzero.train.state import TrainState, abstract_init
 from jzero.train.step import train_step
-from jzero.zero.mesh import EXPERT, FSDP, MODEL_AXES, TENSOR, make_mesh
+from jzero.zero import pipeline
+from jzero.zero.mesh import DATA_AXES, EXPERT, FSDP, MODEL_AXES, STAGE, TENSOR, keeping, make_mesh
 from jzero.zero.sharding import ZERO_RULES, is_expert, is_stacked
 
 GiB = 2**30
@@ -52,6 +54,7 @@ class Estimate:
     widened: tuple[str, ...] = ()  # collectives this backend widens ("reduce-scatter bf16->f32")
     sequence: dict[str, float] = dataclasses.field(default_factory=dict)  # `long_sequence`
     model_comm: dict[str, float] = dataclasses.field(default_factory=dict)  # `model_parallel_comm`
+    pipeline: dict[str, float] = dataclasses.field(default_factory=dict)  # `pipeline_plan`
 
     def row(self) -> dict[str, Any]:
         m, a = self.memory, self.analytic
@@ -80,6 +83,7 @@ class Estimate:
             **self._experts(),
             **self.sequence,
             **self.model_comm,
+            **self.pipeline,
         }
 
     def _quantized(self) -> dict[str, Any]:
@@ -153,9 +157,11 @@ def estimate(config: Config, stage: int | None = None) -> Estimate:
     cfg, mesh = state.config, state.plan.mesh
     mem = profile.memory(compiled)
     comm = profile.comm(compiled)
-    # Stages 0-1 hold each device's full, unreduced gradient until the step's one reduction.
-    layouts = [None] * len(jax.tree.leaves(state.params)) if ZERO_RULES[cfg.zero_optimization.stage].reduce_once \
-        else jax.tree.leaves(state.plan.grads)
+    # Stages 0-1 (and a pipeline) hold each device's unreduced gradient of its whole share of the
+    # model (split by the stages and tensor groups, not by ZeRO) until the step's one reduction.
+    reduce_once = ZERO_RULES[cfg.zero_optimization.stage].reduce_once or cfg.pipeline.stages > 1
+    layouts = [NamedSharding(mesh, keeping(s.spec, lambda a: a not in DATA_AXES)) for s in
+               jax.tree.leaves(state.plan.compute)] if reduce_once else jax.tree.leaves(state.plan.grads)
     grads = sum(profile.shard_bytes(x.shape, x.dtype, s)
                 for x, s in zip(jax.tree.leaves(state.params), layouts, strict=True))
     a2a = [c for c in comm.collectives if DISPATCH in c.op_name and c.group_size > 1]  # MoE's tokens
@@ -175,7 +181,24 @@ def estimate(config: Config, stage: int | None = None) -> Estimate:
                     all_to_all_bytes=sum(c.elements * DTYPE_BYTES.get(c.dtype, 4) * c.count for c in a2a),
                     wire_bytes=zero.total_wire_bytes(), unquantized_wire_bytes=unquantized, widened=widened,
                     sequence=long_sequence(config, mem) if attention.long_context(model.spec) else {},
-                    model_comm=model_parallel_comm(comm, mesh))
+                    model_comm=model_parallel_comm(comm, mesh), pipeline=pipeline_plan(compiled.as_text(), cfg))
+
+
+def pipeline_plan(text: str, cfg: Config) -> dict[str, float]:
+    """A pipelined step's schedule and traffic: its ticks, the idle fraction of the schedule the
+    step runs (`jzero.zero.pipeline.table`) beside DeepSpeed's formula, the stage inputs the
+    first stage keeps, and the GiB each device sends to a neighbouring stage per step (every
+    collective-permute of the compiled program, idle ticks' included). Memory rows are per
+    device, the same on every stage: one program runs them all."""
+    p, m = cfg.pipeline.stages, cfg.gradient_accumulation_steps
+    if p == 1:
+        return {}
+    permutes = [i for i in hlo.parse(text).instructions() if i.op in ("collective-permute", "collective-permute-start")]
+    sent = sum(i.count * math.prod(dims) * DTYPE_BYTES.get(dtype, 4)
+               for i in permutes for dtype, dims in hlo.shapes(i.result)[:1])
+    return {"pipeline_stages": p, "pipeline_ticks": pipeline.ticks(p, m),
+            "bubble_fraction": pipeline.idle_fraction(p, m), "bubble_formula": (p - 1) / (m + p - 1),
+            "stage_inputs_kept": pipeline.in_flight(p, m)[0], "between_stages_gib": sent / GiB}
 
 
 def model_parallel_comm(comm: profile.CommReport, mesh: Any) -> dict[str, float]:
@@ -230,10 +253,10 @@ def _savings(config: Config) -> dict[str, dict[str, Any]]:
 
 
 def _zero_comm(comm: profile.CommReport, mesh: Any) -> profile.CommReport:
-    """ZeRO's collectives: all but MoE's token all-to-alls and those over the tensor and sequence
-    groups (`model_parallel_comm`)."""
+    """ZeRO's collectives: all but MoE's token all-to-alls, those over the tensor and sequence
+    groups (`model_parallel_comm`) and those between pipeline stages (`pipeline_plan`)."""
     def zeros(c: profile.Collective) -> bool:
-        model = bool(c.groups) and bool(set(profile.axes_of(c.groups[0], mesh)) & set(MODEL_AXES))
+        model = bool(c.groups) and bool(set(profile.axes_of(c.groups[0], mesh)) & {STAGE, *MODEL_AXES})
         return DISPATCH not in c.op_name and c.group_size > 1 and not model
     return profile.CommReport(tuple(c for c in comm.collectives if zeros(c)))
 
@@ -242,10 +265,12 @@ def _analytic(state: TrainState) -> profile.Analytic:
     """The formulas for the state's params: non-expert params over the ZeRO group of
     ("fsdp", "expert"), each device's E / ep_size experts over "fsdp" (`jzero.zero.sharding`)."""
     cfg, mesh = state.config, state.plan.mesh
-    # each device's share of a leaf a tensor group splits: ZeRO runs on it over the data devices
-    split = [mesh.shape[TENSOR] if TENSOR in str(s.spec) else 1 for s in jax.tree.leaves(state.plan.params)]
-    leaves = [(path, math.prod(x.shape) // n, math.prod(x.shape[1:]) // n)
-              for (path, x), n in zip(jax.tree_util.tree_flatten_with_path(state.params)[0], split, strict=True)]
+    # each device's share of a leaf a tensor group splits (and of a stack the stages split, whose
+    # layers stay whole): ZeRO runs on it over the data devices
+    split = [(mesh.shape[TENSOR] if TENSOR in str(s.spec) else 1, mesh.shape[STAGE] if STAGE in str(s.spec) else 1)
+             for s in jax.tree.leaves(state.plan.params)]
+    leaves = [(path, math.prod(x.shape) // (t * st), math.prod(x.shape[1:]) // t)
+              for (path, x), (t, st) in zip(jax.tree_util.tree_flatten_with_path(state.params)[0], split, strict=True)]
     layer = sum(per_layer for path, _, per_layer in leaves if is_stacked(path))  # DeepSpeed's largest layer
     expert = sum(size for path, size, _ in leaves if is_expert(path)) // mesh.shape[EXPERT]
     dense = sum(size for _, size, _ in leaves) - expert * mesh.shape[EXPERT]

@@ -69,6 +69,8 @@ def model_parallel_size(cfg: Any) -> int:
 def data_devices(cfg: Any, devices: int) -> int:
     """The data-parallel size of ``devices``: what tensor and sequence parallelism leave (DeepSpeed's
     dp world = world / (tp x sp)); ConfigError naming the key when they do not divide it."""
+    if cfg.pipeline.stages < 1:
+        raise ConfigError(f"pipeline.stages: must be >= 1 (1: off), got {cfg.pipeline.stages}")
     for key, size in (("pipeline.stages", cfg.pipeline.stages),
                       ("tensor_parallel.autotp_size", cfg.tensor_parallel.autotp_size),
                       ("sequence_parallel_size", cfg.sequence_parallel_size)):

@@ -110,34 +110,38 @@ def _schedule(state: Any, stack: Any, ends: Any, rows: Any, scale: Any) -> tuple
     shape = jax.eval_shape(lambda e, mb: cut.embed(precision.cast_floating(e, compute), mb), ends,
                            jax.tree.map(lambda x: x[0], micro))
     zeros_x = jnp.zeros(shape.shape, shape.dtype)
-    acc0 = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), (stack, ends))
+    zero_grads = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), (stack, ends))
 
     def tick(carry, t, perm):
         stash, recv, acc, loss_sum = carry
         op, i = pipeline.slot(t, s, p, m)
         k = jnp.clip(i, 0, m - 1)
         mb = jax.tree.map(lambda x: x[k], micro)
+        kept = stash[k % p]
 
         def idle():
-            return stash, zeros_x, acc, loss_sum
+            return zeros_x, zero_grads, jnp.zeros((), jnp.float32)
 
         def run_forward():
-            y = jax.lax.cond(last, lambda: zeros_x, lambda: forward(stack, ends, recv, mb))
-            return stash.at[k % p].set(recv), y, acc, loss_sum
+            return jax.lax.cond(last, lambda: zeros_x, lambda: forward(stack, ends, recv, mb)), zero_grads, idle()[2]
 
         def run_backward():
             (_, loss), (g_stack, g_ends, g_x) = jax.value_and_grad(objective, argnums=(0, 1, 2), has_aux=True)(
-                stack, ends, stash[k % p], mb, recv)
-            return stash, g_x.astype(zeros_x.dtype), jax.tree.map(jnp.add, acc, (g_stack, g_ends)), loss_sum + loss
+                stack, ends, kept, mb, recv)
+            return g_x.astype(zeros_x.dtype), (g_stack, g_ends), loss
 
-        stash, send, acc, loss_sum = jax.lax.switch(op, [idle, run_forward, run_backward])
-        return stash, jax.lax.ppermute(send, STAGE, perm), acc, loss_sum
+        # Only what a tick produces leaves the switch: the stash and the accumulators are
+        # updated in place outside it (inside, each branch would return a copy of them).
+        send, grads, loss = jax.lax.switch(op, [idle, run_forward, run_backward])
+        stash = stash.at[k % p].set(jnp.where(op == pipeline.FORWARD, recv, kept))
+        acc = jax.tree.map(jnp.add, acc, grads)
+        return stash, jax.lax.ppermute(send, STAGE, perm), acc, loss_sum + loss
 
     even, odd = perms(p)
 
     def iteration(carry, it):
         return tick(tick(carry, 2 * it, even), 2 * it + 1, odd), None
 
-    start = (jnp.zeros((p, *shape.shape), shape.dtype), zeros_x, acc0, jnp.zeros((), jnp.float32))
+    start = (jnp.zeros((p, *shape.shape), shape.dtype), zeros_x, zero_grads, jnp.zeros((), jnp.float32))
     (_, _, (g_stack, g_ends), loss_sum), _ = jax.lax.scan(iteration, start, jnp.arange(m + p - 1))
     return loss_sum, g_stack, g_ends

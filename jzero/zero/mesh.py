@@ -99,10 +99,13 @@ def on_model_blocks(f, spec: P):
 
 def over_data(f, mesh: Mesh, in_specs: Any, out_specs: Any, **kwargs: Any):
     """``jax.shard_map(f)`` manual over the data axes (`manual_axes`), the specs' model axes left
-    to the compiler."""
-    strip = functools.partial(jax.tree.map, data_spec, is_leaf=lambda x: isinstance(x, P))
+    to the compiler; and "stage" when a pipeline splits the mesh (outside the pipelined step,
+    which runs the stages by hand: an evaluation reads the stack's blocks where they live)."""
+    auto = frozenset((STAGE,) if mesh.shape.get(STAGE, 1) > 1 else ())
+    strip = functools.partial(jax.tree.map, lambda s: keeping(data_spec(s), lambda a: a not in auto),
+                              is_leaf=lambda x: isinstance(x, P))
     return jax.shard_map(f, mesh=mesh, in_specs=strip(in_specs), out_specs=strip(out_specs),
-                         axis_names=manual_axes(mesh), **kwargs)
+                         axis_names=manual_axes(mesh) - auto, **kwargs)
 
 
 def fsdp_size(config: Config, num_devices: int) -> int:

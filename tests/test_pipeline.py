@@ -1,0 +1,261 @@
+"""Pipeline parallelism (DeepSpeed's PipelineModule + 1F1B TrainSchedule on a "stage" mesh axis),
+composed with tensor parallelism and ZeRO (docs/design.md, "Pipeline parallelism"): the plain
+single-device loop's numbers, the schedule the step runs read back from its compiled HLO,
+per-device memory from the compiled step, checkpoints across layouts, one-line errors."""
+import dataclasses
+import functools
+import json
+import re
+
+import jax
+import numpy as np
+import pytest
+
+import jzero
+from jzero.analysis import hlo
+from jzero.models import gpt
+from jzero.train import pipestep
+from jzero.zero import pipeline
+
+from helpers import (
+    BATCH,
+    EPS,
+    FAST,
+    GPT_CFG,
+    LR,
+    TINY,
+    WD,
+    assert_params_close,
+    jzero_cli,
+    plain_loop,
+    read_csv,
+    token_batches,
+)
+
+GPT4L = dataclasses.replace(GPT_CFG, n_heads=4, n_layers=4)  # 4 blocks: 2 or 1 per stage at p 2 or 4
+STEPS = 3
+
+
+def pp_config(p, m, stage, tp=1, batch=BATCH, devices=8, **extra):
+    return jzero.load_config({
+        "train_batch_size": batch, "gradient_accumulation_steps": m,
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD, "eps": EPS}},
+        "gradient_clipping": 0.0, "tensor_parallel": {"autotp_size": tp}, "pipeline": {"stages": p},
+        "jzero": {"mesh": {"devices": devices}}, **extra})
+
+
+def batches():
+    return token_batches(STEPS, BATCH, GPT4L.seq_len, GPT4L.vocab_size)
+
+
+@functools.cache
+def reference(tied=True):
+    init_fn, loss_fn = gpt.make(dataclasses.replace(GPT4L, tie_embeddings=tied))
+    return plain_loop(init_fn, loss_fn, batches(), lambda b: jax.tree.map(lambda x: x[None], b))
+
+
+def train(cfg, model_cfg=GPT4L, state=None, steps=None):
+    init_fn, loss_fn = gpt.make(model_cfg)
+    if state is None:
+        state = jzero.init(init_fn, cfg, loss_fn=loss_fn, rng=jax.random.key(0), stages=gpt.stages(model_cfg))
+    losses = []
+    for batch in batches()[steps or slice(None)]:
+        state, metrics = jzero.train_step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return np.array(losses), state
+
+
+CASES = [(2, 2, 1, 1, True), (2, 4, 3, 1, True), (4, 4, 3, 1, True), (4, 8, 1, 1, True), (2, 4, 1, 2, True),
+         (2, 2, 0, 1, False), (4, 4, 2, 1, True)]
+DEFAULT = {(2, 2, 1, 1, True), (4, 8, 1, 1, True)}  # the rest in the slow suite (the default's budget)
+
+
+@pytest.mark.parametrize("p,m,stage,tp,tied", [
+    pytest.param(*c, marks=() if c in DEFAULT else pytest.mark.slow) for c in CASES],
+    ids=[f"p{p}-m{m}-zero{s}-tp{tp}-{'tied' if t else 'untied'}" for p, m, s, tp, t in CASES])
+def test_matches_plain_optax_loop(p, m, stage, tp, tied):
+    """p in {2, 4} with m in {p, 2p}, ZeRO 0-3 inside each stage's data-parallel group, tp 2 at
+    p 2, tied and untied embeddings: the plain loop's losses (rtol 1e-5) and params."""
+    ref_losses, ref_params = reference(tied)
+    losses, state = train(pp_config(p, m, stage, tp), dataclasses.replace(GPT4L, tie_embeddings=tied))
+    assert dict(state.plan.mesh.shape)["stage"] == p and dict(state.plan.mesh.shape)["tensor"] == tp
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    jax.tree.map(assert_params_close, jax.device_get(state.params), ref_params)
+
+
+@pytest.mark.parametrize("p,m", [(1, 4), (2, 1), (2, 2), (2, 8), (4, 4), (4, 16), (8, 3)])
+def test_schedule_is_deepspeeds_1f1b(p, m):
+    """Each stage runs every micro-batch's forward, then its backward, in order; a backward
+    follows the next stage's by one tick, a forward the previous stage's; 2(m + p - 1) ticks, idle
+    (p - 1) / (m + p - 1) of them, and stage s never holds more than min(p - s, m) inputs."""
+    rows = pipeline.table(p, m)
+    assert len(rows) == pipeline.ticks(p, m) == 2 * (m + p - 1)
+    when = {(op, s, i): t for t, row in enumerate(rows) for s, (op, i) in enumerate(row) if op != pipeline.IDLE}
+    for s in range(p):
+        for i in range(m):
+            assert when[(pipeline.BACKWARD, s, i)] > when[(pipeline.FORWARD, s, i)]
+            if s:
+                assert when[(pipeline.FORWARD, s, i)] == when[(pipeline.FORWARD, s - 1, i)] + 1
+                assert when[(pipeline.BACKWARD, s - 1, i)] == when[(pipeline.BACKWARD, s, i)] + 1
+    assert len(when) == 2 * p * m
+    assert pipeline.idle_fraction(p, m) == pytest.approx((p - 1) / (m + p - 1))
+    assert pipeline.in_flight(p, m) == [min(p - s, m) for s in range(p)]
+    perms = pipestep.perms(p)  # a tick's ppermute carries what the next tick reads
+    for t, row in enumerate(rows[:-1]):
+        pairs = dict(perms[t % 2])
+        for s, (op, _) in enumerate(rows[t + 1]):
+            if op == pipeline.FORWARD and s > 0:
+                assert pairs[s - 1] == s and row[s - 1][0] == pipeline.FORWARD
+            if op == pipeline.BACKWARD and s < p - 1:
+                assert pairs[s + 1] == s and row[s + 1][0] == pipeline.BACKWARD
+
+
+def test_partition_methods_follow_deepspeed():
+    """DeepSpeed's partition_uniform and partition_balanced boundaries; "type:REGEX" weighs the
+    blocks its regex finds; an uneven split is refused, naming the key."""
+    assert pipeline.partition_uniform(6, 4) == [0, 2, 4, 5, 6]
+    assert pipeline.partition_uniform(3, 4) == [0, 1, 2, 3, 3]
+    assert pipeline.partition_balanced([1, 1, 1, 1, 1, 1, 1, 1], 4) == [0, 2, 4, 6, 8]
+    assert pipeline.partition_balanced([4, 1, 1, 1, 1], 2) == [0, 1, 5]
+    assert pipeline.partition("type:^block$", ["Embed", "Block", "Block", "Block", "Block", "Head"], [9] * 6, 2)[1] == 3
+    assert pipeline.layers_per_stage("parameters", ["Block"] * 8, [5] * 8, 4) == 2
+    with pytest.raises(jzero.ConfigError, match=r"pipeline.partition: 'uniform' splits the 6 blocks .* \[2, 2, 1, 1\]"):
+        pipeline.layers_per_stage("uniform", ["Block"] * 6, [5] * 6, 4)
+    with pytest.raises(jzero.ConfigError, match=r"pipeline.partition: 'type:Attn' finds none .* \(Block\)"):
+        pipeline.layers_per_stage("type:Attn", ["Block"] * 4, [5] * 4, 2)
+
+
+@functools.cache
+def compiled(p, m, stage=1, micro_rows=2, seq_len=16, devices=8, n_layers=4):
+    model_cfg = dataclasses.replace(GPT4L, seq_len=seq_len, n_layers=n_layers)
+    init_fn, loss_fn = gpt.make(model_cfg)
+    cfg = pp_config(p, m, stage, batch=micro_rows * m * devices // p, devices=devices)
+    state = jzero.abstract_init(init_fn, cfg, loss_fn=loss_fn, stages=gpt.stages(model_cfg) if p > 1 else None)
+    batch = {k: jax.ShapeDtypeStruct((cfg.train_batch_size, seq_len), np.int32, sharding=state.plan.batch)
+             for k in ("inputs", "targets")}
+    return jzero.train_step.lower(state, batch).compile(), state
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), pytest.param(4, 4, marks=pytest.mark.slow)])
+def test_compiled_step_runs_the_schedule_and_moves_only_activations(p, m):
+    """One loop of m + p - 1 iterations; in it two collective-permutes (one a tick), each of one
+    micro-batch's activations; nothing is gathered across stages: the only collectives whose groups
+    span stages are all-reduces of scalars and of the ends' gradients (DeepSpeed's tied-weight sum)."""
+    exe, state = compiled(p, m)
+    text = exe.as_text()
+    trips = [int(t) for t in re.findall(r'"known_trip_count":\{"n":"(\d+)"', text)]
+    assert m + p - 1 in trips
+    module = hlo.parse(text)
+    permutes = [i for i in module.instructions() if i.op in ("collective-permute", "collective-permute-start")]
+    micro_batch = [2, GPT4L.seq_len, GPT4L.d_model]  # compiled(): 2 rows a micro-batch
+    assert len(permutes) == 2 and all(i.count == m + p - 1 for i in permutes)
+    assert all(hlo.shapes(i.result)[0][1] == micro_batch for i in permutes)
+    stage_of = {d.id: s for s in range(p) for d in state.plan.mesh.devices[s].flat}
+    ends = sum(x.size for k, v in state.params.items() if k != "blocks" for x in jax.tree.leaves(v))
+    for inst in module.instructions():
+        groups = hlo.replica_groups(inst.line) if inst.op in hlo.COLLECTIVES else None
+        if groups and any(len({stage_of[d] for d in g}) > 1 for g in groups):
+            # only the loss, the gradient norm and the ends' gradients (tied embeddings) sum across
+            assert inst.op == "all-reduce", inst.line[:160]
+            assert sum(np.prod(dims) for _, dims in hlo.shapes(inst.result)) <= ends, inst.line[:160]
+
+
+@pytest.mark.slow
+def test_memory_is_1f1b_bound_and_params_fall_by_stages():
+    """Per device, from the compiled step: the stack's params and optimizer state fall by p (x
+    ZeRO's share); temporaries do not grow with the micro-batches (GPipe's would: it keeps every
+    one's activations), and stay within 10% of the 1F1B bound: one micro-batch's own step on a
+    stage's blocks plus p stage inputs."""
+    p, rows, seq = 2, 4, 256
+    x_bytes = rows * seq * GPT4L.d_model * 4
+    plain, _ = compiled(1, p, micro_rows=rows, seq_len=seq, devices=8 // p, n_layers=GPT4L.n_layers // p)
+    temps = [compiled(p, m, micro_rows=rows, seq_len=seq)[0].memory_analysis().temp_size_in_bytes for m in (p, 4 * p)]
+    assert temps[0] == temps[1]
+    bound = plain.memory_analysis().temp_size_in_bytes + p * x_bytes
+    assert temps[0] <= 1.10 * bound, (temps[0], bound)
+    _, one = compiled(1, 2, stage=3, devices=2)  # ZeRO-3 over 2 data devices, without and with 4 stages
+    _, four = compiled(4, 4, stage=3, devices=8)
+
+    def per_device(state):
+        leaves = [*jax.tree.leaves(state.params["blocks"]), *jax.tree.leaves(state.opt_state)]
+        return sum(np.prod(x.sharding.shard_shape(x.shape)) for x in leaves if x.ndim and x.shape[0] == 4)
+
+    assert per_device(one) == 4 * per_device(four)
+
+
+def test_checkpoint_restores_on_other_stage_counts_and_continues_exactly(tmp_path):
+    """Saved at p 2 x ZeRO-1 after one step, restored without a pipeline (ZeRO-3) and at p 4:
+    the remaining steps give the plain loop's losses and params."""
+    from jzero.runtime.checkpoint import Checkpointer
+
+    init_fn, loss_fn = gpt.make(GPT4L)
+    cfg = pp_config(2, 2, 1)
+    losses, state = train(cfg, steps=slice(0, 1))
+    with Checkpointer(tmp_path, cfg) as ckpt:
+        assert ckpt.save(state, force=True)
+    ref_losses, ref_params = reference()
+    for other in (pp_config(1, 2, 3), pp_config(4, 4, 1)):
+        target = jzero.abstract_init(init_fn, other, loss_fn=loss_fn, stages=gpt.stages(GPT4L))
+        restored = Checkpointer(tmp_path).restore(target)
+        rest, restored = train(other, state=restored, steps=slice(1, None))
+        np.testing.assert_allclose([*losses, *rest], ref_losses, rtol=1e-5)
+        jax.tree.map(assert_params_close, jax.device_get(restored.params), ref_params)
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"pipeline": {"stages": 3}}, r"pipeline.stages: 3 does not divide the 8 devices"),
+    ({"pipeline": {"stages": 0}}, r"pipeline.stages: must be >= 1"),
+    ({"pipeline": {"stages": 2, "partition": "type:("}}, r"pipeline.partition: 'type:\(' is not a valid regex"),
+    ({"pipeline": {"stages": 2}, "sequence_parallel_size": 2}, r"pipeline.stages: not with sequence_parallel_size"),
+    ({"pipeline": {"stages": 2},
+      "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}}},
+     r"pipeline.stages: not with zero_optimization.offload_optimizer"),
+    ({"pipeline": {"stages": 2, "depth": 2}}, r"pipeline.depth: unknown key"),
+])
+def test_misconfiguration_is_one_line_naming_the_key(change, match):
+    raw = {"train_batch_size": BATCH, "jzero": {"mesh": {"devices": 8}}, **change}
+    with pytest.raises(jzero.ConfigError, match=match) as info:
+        jzero.make_mesh(jzero.load_config(raw))
+    assert "\n" not in str(info.value)
+
+
+def test_a_model_without_stages_or_an_uneven_split_is_refused_naming_the_key():
+    init_fn, loss_fn = gpt.make(GPT4L)
+    with pytest.raises(jzero.ConfigError, match=r"pipeline.stages: 2 needs a model cut into stages"):
+        jzero.abstract_init(init_fn, pp_config(2, 2, 1), loss_fn=loss_fn)
+    with pytest.raises(jzero.ConfigError, match=r"pipeline.partition: 'parameters' splits the 4 blocks .* \[2, 1, 1\]"):
+        jzero.abstract_init(init_fn, pp_config(3, 2, 1, devices=6), loss_fn=loss_fn, stages=gpt.stages(GPT4L))
+
+
+@pytest.mark.slow
+def test_jzero_train_with_a_pipeline_logs_the_losses_of_one_without(tmp_path):
+    """`jzero train` on the tiny GPT: 2 stages x 2 data devices x 2 micro-batches (its sample too)
+    logs the losses of 4 data devices without a pipeline, same seed."""
+    runs = {}
+    for name, extra in (("plain", []), ("pipeline", ["--set", "pipeline.stages=2"])):
+        proc = jzero_cli("train", str(TINY), "--out", str(tmp_path / name), "--devices", "4", *FAST,
+                         "--set", "gradient_accumulation_steps=2", "--set", "zero_optimization.stage=1", *extra)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert "sample" in proc.stdout
+        runs[name] = [float(r["loss"]) for r in read_csv(tmp_path / name / "metrics.csv")]
+    assert "'stage': 2" in proc.stdout and len(runs["plain"]) == 4
+    np.testing.assert_allclose(runs["pipeline"], runs["plain"], rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_estimate_plans_gpt3_175b_in_3d():
+    """`jzero estimate configs/gpt3_175b_3d.json`: 8 stages x tp 8 x 16 data devices (MT-NLG's
+    shape), ZeRO-1 inside each stage: the per-device state is the formula's (each device's
+    1/64 of the model, optimizer state over 16), the bubble is DeepSpeed's 7 / 103, the stages
+    exchange activations only, and it fits an 80 GB GPU."""
+    proc = jzero_cli("estimate", "configs/gpt3_175b_3d.json", "--json", timeout=300, optimized=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout)
+    row = out["stages"][0]
+    assert out["devices"] == 1024 and row["stage"] == 1 and row["pipeline_stages"] == 8
+    assert row["bubble_fraction"] == pytest.approx(7 / 103) == row["bubble_formula"]
+    assert row["persistent_bytes_per_param"] == pytest.approx(row["jzero_formula_bytes_per_param"], rel=0.01)
+    x_gib = 2048 * 12288 * 2 / 2**30  # one micro-batch's activations (1 row, bf16), whole
+    assert 0 < row["between_stages_gib"] <= pipeline.ticks(8, 96) * x_gib  # at most one a tick
+    assert row["peak_gib"] < 80e9 / 2**30
