@@ -20,6 +20,7 @@ _PUBLIC = {  # module -> the names it gives the public face, bottom layer first
     "jzero.zero.groups": ("param_labels",),
     "jzero.models.adapters": ("from_linen", "from_nnx"),
     "jzero.models.layers": ("scan_layers",),
+    "jzero.models.base": ("Stages",),
     "jzero.models.attention": ("attention",),
     "jzero.models.moe": ("MoE", "NNXMoE", "MoESpec", "MoEStats"),
     "jzero.models.gating": ("GateSpec",),

@@ -21,7 +21,7 @@ FACADE = "jzero"
 # Every name the public face has offered since 0.1 (a new one is added here, none removed).
 PUBLIC = {
     "CheckpointError", "CheckpointMismatchError", "CheckpointWarning", "Checkpointer", "Config", "ConfigError",
-    "ConfigWarning", "GateSpec", "MoE", "MoESpec", "MoEStats", "NNXMoE", "Plan", "TrainState", "Variables",
+    "ConfigWarning", "GateSpec", "MoE", "MoESpec", "MoEStats", "NNXMoE", "Plan", "Stages", "TrainState", "Variables",
     "abstract_init", "attention", "device_params", "eval_step", "evaluating", "export", "from_linen", "from_nnx",
     "gather_rows", "init", "load_config", "load_model_state", "load_params", "make_mesh", "row_offset", "scan_layers",
     "train_step", "__version__",

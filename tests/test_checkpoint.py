@@ -93,7 +93,7 @@ def test_restore_onto_other_mesh_and_stage_continues_exactly(saved, ndev, stage,
     if fsdp:
         cfg = jzero.load_config({**cfg.source, "jzero": {"mesh": {"fsdp": fsdp}}})
     mesh = jzero.make_mesh(cfg, devices=jax.devices()[:ndev])
-    assert dict(mesh.shape) == {"replica": ndev // (fsdp or ndev), "fsdp": fsdp or ndev, "expert": 1,
+    assert dict(mesh.shape) == {"stage": 1, "replica": ndev // (fsdp or ndev), "fsdp": fsdp or ndev, "expert": 1,
                                "sequence": 1, "tensor": 1}
     target = jzero.abstract_init(init_fn, cfg, loss_fn=loss_fn, mesh=mesh)
     state = Checkpointer(directory).restore(target)

@@ -80,7 +80,7 @@ def test_hpz_shards_inside_groups_of_4_and_trains_like_fsdp_8():
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD, "eps": EPS}},
         "gradient_clipping": 0.0})
     state = jzero.init(init_fn, cfg, loss_fn=loss_fn, rng=jax.random.key(0), mesh=jzero.make_mesh(cfg))
-    assert dict(state.plan.mesh.shape) == {"replica": 2, "fsdp": 4, "expert": 1, "sequence": 1, "tensor": 1}
+    assert dict(state.plan.mesh.shape) == {"stage": 1, "replica": 2, "fsdp": 4, "expert": 1, "sequence": 1, "tensor": 1}
     batches = make_batches()
     report = profile.comm(jzero.train_step.lower(state, batches[0]).compile())
     losses = []

@@ -27,7 +27,7 @@ from jzero.models.moe import DISPATCH
 from jzero.train.resolve import check_zero
 from jzero.train.state import TrainState, abstract_init
 from jzero.train.step import train_step
-from jzero.zero import pipeline
+from jzero.zero import pipeline, precision
 from jzero.zero.mesh import DATA_AXES, EXPERT, FSDP, MODEL_AXES, STAGE, TENSOR, keeping, make_mesh
 from jzero.zero.sharding import ZERO_RULES, is_expert, is_stacked
 
@@ -188,14 +188,15 @@ def pipeline_plan(text: str, cfg: Config) -> dict[str, float]:
     """A pipelined step's schedule and traffic: its ticks, the idle fraction of the schedule the
     step runs (`jzero.zero.pipeline.table`) beside DeepSpeed's formula, the stage inputs the
     first stage keeps, and the GiB each device sends to a neighbouring stage per step (every
-    collective-permute of the compiled program, idle ticks' included). Memory rows are per
+    collective-permute of the compiled program, idle ticks' included, in the compute dtype). Memory rows are per
     device, the same on every stage: one program runs them all."""
     p, m = cfg.pipeline.stages, cfg.gradient_accumulation_steps
     if p == 1:
         return {}
     permutes = [i for i in hlo.parse(text).instructions() if i.op in ("collective-permute", "collective-permute-start")]
-    sent = sum(i.count * math.prod(dims) * DTYPE_BYTES.get(dtype, 4)
-               for i in permutes for dtype, dims in hlo.shapes(i.result)[:1])
+    # in the compute dtype the step sends (XLA:CPU widens a bf16 collective-permute to f32)
+    width = jax.numpy.dtype(precision.policy(cfg).compute_dtype).itemsize
+    sent = sum(i.count * math.prod(dims) * width for i in permutes for _, dims in hlo.shapes(i.result)[:1])
     return {"pipeline_stages": p, "pipeline_ticks": pipeline.ticks(p, m),
             "bubble_fraction": pipeline.idle_fraction(p, m), "bubble_formula": (p - 1) / (m + p - 1),
             "stage_inputs_kept": pipeline.in_flight(p, m)[0], "between_stages_gib": sent / GiB}
