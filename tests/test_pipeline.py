@@ -36,13 +36,13 @@ GPT4L = dataclasses.replace(GPT_CFG, n_heads=4, n_layers=4)  # 4 blocks: 2 or 1 
 STEPS = 3
 
 
-def pp_config(p, m, stage, tp=1, batch=BATCH, devices=8, **extra):
+def pp_config(p, m, stage, tp=1, batch=BATCH, devices=8, repeats=1, **extra):
     return jzero.load_config({
         "train_batch_size": batch, "gradient_accumulation_steps": m,
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD, "eps": EPS}},
-        "gradient_clipping": 0.0, "tensor_parallel": {"autotp_size": tp}, "pipeline": {"stages": p},
-        "jzero": {"mesh": {"devices": devices}}, **extra})
+        "gradient_clipping": 0.0, "tensor_parallel": {"autotp_size": tp},
+        "pipeline": {"stages": p, "repeats": repeats}, "jzero": {"mesh": {"devices": devices}}, **extra})
 
 
 def batches():
@@ -50,8 +50,8 @@ def batches():
 
 
 @functools.cache
-def reference(tied=True):
-    init_fn, loss_fn = gpt.make(dataclasses.replace(GPT4L, tie_embeddings=tied))
+def reference(tied=True, n_layers=4):
+    init_fn, loss_fn = gpt.make(dataclasses.replace(GPT4L, tie_embeddings=tied, n_layers=n_layers))
     return plain_loop(init_fn, loss_fn, batches(), lambda b: jax.tree.map(lambda x: x[None], b))
 
 
@@ -66,49 +66,61 @@ def train(cfg, model_cfg=GPT4L, state=None, steps=None):
     return np.array(losses), state
 
 
-CASES = [(2, 2, 1, 1, True), (2, 4, 3, 1, True), (4, 4, 3, 1, True), (4, 8, 1, 1, True), (2, 4, 1, 2, True),
-         (2, 2, 0, 1, False), (4, 4, 2, 1, True)]
-DEFAULT = {(2, 2, 1, 1, True), (4, 8, 1, 1, True)}  # the rest in the slow suite (the default's budget)
+CASES = [(2, 2, 1, 1, True, 1), (2, 4, 3, 1, True, 1), (4, 4, 3, 1, True, 1), (4, 8, 1, 1, True, 1),
+         (2, 4, 1, 2, True, 1), (2, 2, 0, 1, False, 1), (4, 4, 2, 1, True, 1), (4, 4, 1, 1, True, 2),
+         (2, 4, 3, 2, True, 2)]
+DEFAULT = {(2, 2, 1, 1, True, 1), (4, 8, 1, 1, True, 1), (4, 4, 1, 1, True, 2)}  # the rest: slow (the default's budget)
 
 
-@pytest.mark.parametrize("p,m,stage,tp,tied", [
+@pytest.mark.parametrize("p,m,stage,tp,tied,v", [
     pytest.param(*c, marks=() if c in DEFAULT else pytest.mark.slow) for c in CASES],
-    ids=[f"p{p}-m{m}-zero{s}-tp{tp}-{'tied' if t else 'untied'}" for p, m, s, tp, t in CASES])
-def test_matches_plain_optax_loop(p, m, stage, tp, tied):
+    ids=[f"p{p}-m{m}-zero{s}-tp{tp}-{'tied' if t else 'untied'}{f'-circular{v}' if v > 1 else ''}"
+         for p, m, s, tp, t, v in CASES])
+def test_matches_plain_optax_loop(p, m, stage, tp, tied, v):
     """p in {2, 4} with m in {p, 2p}, ZeRO 0-3 inside each stage's data-parallel group, tp 2 at
-    p 2, tied and untied embeddings: the plain loop's losses (rtol 1e-5) and params."""
-    ref_losses, ref_params = reference(tied)
-    losses, state = train(pp_config(p, m, stage, tp), dataclasses.replace(GPT4L, tie_embeddings=tied))
+    p 2, tied and untied embeddings, circular stages (2 repeats: a block a chunk, 8 blocks at p 4):
+    the plain loop's losses (rtol 1e-5) and params."""
+    n_layers = max(4, p * v)
+    ref_losses, ref_params = reference(tied, n_layers)
+    model_cfg = dataclasses.replace(GPT4L, tie_embeddings=tied, n_layers=n_layers)
+    losses, state = train(pp_config(p, m, stage, tp, repeats=v), model_cfg)
     assert dict(state.plan.mesh.shape)["stage"] == p and dict(state.plan.mesh.shape)["tensor"] == tp
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     jax.tree.map(assert_params_close, jax.device_get(state.params), ref_params)
 
 
-@pytest.mark.parametrize("p,m", [(1, 4), (2, 1), (2, 2), (2, 8), (4, 4), (4, 16), (8, 3)])
-def test_schedule_is_deepspeeds_1f1b(p, m):
-    """Each stage runs every micro-batch's forward, then its backward, in order; a backward
-    follows the next stage's by one tick, a forward the previous stage's; 2(m + p - 1) ticks, idle
-    (p - 1) / (m + p - 1) of them, and stage s never holds more than min(p - s, m) inputs."""
-    rows = pipeline.table(p, m)
-    assert len(rows) == pipeline.ticks(p, m) == 2 * (m + p - 1)
-    when = {(op, s, i): t for t, row in enumerate(rows) for s, (op, i) in enumerate(row) if op != pipeline.IDLE}
-    for s in range(p):
+@pytest.mark.parametrize("p,m,v", [(1, 4, 1), (2, 1, 1), (2, 2, 1), (2, 8, 1), (4, 4, 1), (4, 16, 1), (8, 3, 1),
+                                   (2, 2, 2), (2, 3, 3), (4, 4, 2), (4, 2, 3), (8, 8, 2)])
+def test_schedule_is_deepspeeds_1f1b_and_circular_goes_round_the_ring(p, m, v):
+    """Each stage runs every (micro-batch, repeat)'s forward, then its backward; a forward follows
+    the previous virtual stage's (r·p + s - 1, round the ring from the last stage to the first) by
+    one tick, a backward the next one's; 2mv + (v + 1)p - 2 ticks (DeepSpeed's 2(m + p - 1) at v = 1),
+    idle ((v + 1)p - 2) / (2mv + (v + 1)p - 2) of them ((p - 1) / (m + p - 1) at v = 1); at v = 1 stage s
+    never holds more than min(p - s, m) inputs; each tick's ppermute carries what the next tick reads."""
+    rows = pipeline.table(p, m, v)
+    assert len(rows) == pipeline.ticks(p, m, v) == 2 * m * v + (v + 1) * p - 2
+    when = {(op, r * p + s, i): t for t, row in enumerate(rows) for s, (op, i, r) in enumerate(row)
+            if op != pipeline.IDLE}
+    assert len(when) == 2 * p * v * m
+    for k in range(p * v):
         for i in range(m):
-            assert when[(pipeline.BACKWARD, s, i)] > when[(pipeline.FORWARD, s, i)]
-            if s:
-                assert when[(pipeline.FORWARD, s, i)] == when[(pipeline.FORWARD, s - 1, i)] + 1
-                assert when[(pipeline.BACKWARD, s - 1, i)] == when[(pipeline.BACKWARD, s, i)] + 1
-    assert len(when) == 2 * p * m
-    assert pipeline.idle_fraction(p, m) == pytest.approx((p - 1) / (m + p - 1))
-    assert pipeline.in_flight(p, m) == [min(p - s, m) for s in range(p)]
-    perms = pipestep.perms(p)  # a tick's ppermute carries what the next tick reads
+            assert when[(pipeline.BACKWARD, k, i)] > when[(pipeline.FORWARD, k, i)]
+            if k:
+                assert when[(pipeline.FORWARD, k, i)] == when[(pipeline.FORWARD, k - 1, i)] + 1
+                assert when[(pipeline.BACKWARD, k - 1, i)] == when[(pipeline.BACKWARD, k, i)] + 1
+    assert pipeline.idle_fraction(p, m, v) == pytest.approx(pipeline.bubble_formula(p, m, v))
+    assert pipeline.bubble_formula(p, m, v) == pytest.approx(((v + 1) * p - 2) / (2 * m * v + (v + 1) * p - 2))
+    assert pipeline.bubble_formula(p, m) == pytest.approx((p - 1) / (m + p - 1))
+    if v == 1:
+        assert pipeline.in_flight(p, m) == [min(p - s, m) for s in range(p)] and pipeline.stash_size(p, m) == min(p, m)
+    perms = pipestep.perms(p, circular=v > 1)
     for t, row in enumerate(rows[:-1]):
         pairs = dict(perms[t % 2])
-        for s, (op, _) in enumerate(rows[t + 1]):
-            if op == pipeline.FORWARD and s > 0:
-                assert pairs[s - 1] == s and row[s - 1][0] == pipeline.FORWARD
-            if op == pipeline.BACKWARD and s < p - 1:
-                assert pairs[s + 1] == s and row[s + 1][0] == pipeline.BACKWARD
+        for s, (op, _, r) in enumerate(rows[t + 1]):
+            if op == pipeline.FORWARD and r * p + s > 0:
+                assert pairs[(s - 1) % p] == s and row[(s - 1) % p][0] == pipeline.FORWARD
+            if op == pipeline.BACKWARD and r * p + s < p * v - 1:
+                assert pairs[(s + 1) % p] == s and row[(s + 1) % p][0] == pipeline.BACKWARD
 
 
 def test_partition_methods_follow_deepspeed():
@@ -127,38 +139,58 @@ def test_partition_methods_follow_deepspeed():
 
 
 @functools.cache
-def compiled(p, m, stage=1, micro_rows=2, seq_len=16, devices=8, n_layers=4):
+def compiled(p, m, stage=1, micro_rows=2, seq_len=16, devices=8, n_layers=4, repeats=1):
     model_cfg = dataclasses.replace(GPT4L, seq_len=seq_len, n_layers=n_layers)
     init_fn, loss_fn = gpt.make(model_cfg)
-    cfg = pp_config(p, m, stage, batch=micro_rows * m * devices // p, devices=devices)
+    cfg = pp_config(p, m, stage, batch=micro_rows * m * devices // p, devices=devices, repeats=repeats)
     state = jzero.abstract_init(init_fn, cfg, loss_fn=loss_fn, stages=gpt.stages(model_cfg) if p > 1 else None)
     batch = {k: jax.ShapeDtypeStruct((cfg.train_batch_size, seq_len), np.int32, sharding=state.plan.batch)
              for k in ("inputs", "targets")}
     return jzero.train_step.lower(state, batch).compile(), state
 
 
-@pytest.mark.parametrize("p,m", [(2, 4), pytest.param(4, 4, marks=pytest.mark.slow)])
-def test_compiled_step_runs_the_schedule_and_moves_only_activations(p, m):
-    """One loop of m + p - 1 iterations; in it two collective-permutes (one a tick), each of one
-    micro-batch's activations; nothing is gathered across stages: the only collectives whose groups
-    span stages are all-reduces of scalars and of the ends' gradients (DeepSpeed's tied-weight sum)."""
-    exe, state = compiled(p, m)
+@pytest.mark.parametrize("p,m,v", [(2, 4, 1), (4, 4, 2), pytest.param(4, 4, 1, marks=pytest.mark.slow)])
+def test_compiled_step_runs_the_schedule_and_moves_only_activations(p, m, v):
+    """One loop of ticks / 2 iterations (m + p - 1 at v = 1); in it two collective-permutes (one a
+    tick, round the ring when circular), each of one micro-batch's activations; nothing is gathered
+    across stages: the only collectives whose groups span stages are all-reduces of scalars and
+    of the ends' gradients (DeepSpeed's tied-weight sum), and, circular, the once-a-step exchange
+    of the stack's blocks and of their gradients back (XLA reshards each device's share with an
+    all-to-all and a collective-permute)."""
+    exe, state = compiled(p, m, n_layers=4 * v, repeats=v)
     text = exe.as_text()
+    iterations = pipeline.ticks(p, m, v) // 2
     trips = [int(t) for t in re.findall(r'"known_trip_count":\{"n":"(\d+)"', text)]
-    assert m + p - 1 in trips
+    assert iterations in trips and iterations == (m + p - 1 if v == 1 else m * v + (v + 1) * p // 2 - 1)
     module = hlo.parse(text)
     permutes = [i for i in module.instructions() if i.op in ("collective-permute", "collective-permute-start")]
+    ticking = [i for i in permutes if i.count == iterations]
     micro_batch = [2, GPT4L.seq_len, GPT4L.d_model]  # compiled(): 2 rows a micro-batch
-    assert len(permutes) == 2 and all(i.count == m + p - 1 for i in permutes)
-    assert all(hlo.shapes(i.result)[0][1] == micro_batch for i in permutes)
+    assert len(ticking) == 2 and all(hlo.shapes(i.result)[0][1] == micro_batch for i in ticking)
+    ring = {(s, (s + 1) % p) for s in range(p)} | {(s, (s - 1) % p) for s in range(p)}
     stage_of = {d.id: s for s in range(p) for d in state.plan.mesh.devices[s].flat}
+    pairs = {(stage_of[a], stage_of[b]) for i in ticking for a, b in hlo.source_target_pairs(i.line)}
+    assert pairs == (ring if v > 1 else {(s, t) for s, t in ring if abs(s - t) == 1})
     ends = sum(x.size for k, v in state.params.items() if k != "blocks" for x in jax.tree.leaves(v))
+    stack = sum(np.prod(x.sharding.shard_shape(x.shape)) for x in jax.tree.leaves(state.params["blocks"]))
+    grads = jax.tree.leaves(state.plan.grads["blocks"])
+    stack += sum(np.prod(s.shard_shape(x.shape)) for x, s in zip(jax.tree.leaves(state.params["blocks"]), grads,
+                                                                 strict=True))
+    exchanged = {"all-to-all": 0, "collective-permute": 0}
     for inst in module.instructions():
         groups = hlo.replica_groups(inst.line) if inst.op in hlo.COLLECTIVES else None
-        if groups and any(len({stage_of[d] for d in g}) > 1 for g in groups):
+        size = sum(np.prod(dims) for _, dims in hlo.shapes(inst.result))
+        if inst.op == "collective-permute" and inst.count == 1:
+            exchanged[inst.op] += size
+        elif groups and any(len({stage_of[d] for d in g}) > 1 for g in groups):
             # only the loss, the gradient norm and the ends' gradients (tied embeddings) sum across
+            if inst.op == "all-to-all" and inst.count == 1 and v > 1:
+                exchanged[inst.op] += size
+                continue
             assert inst.op == "all-reduce", inst.line[:160]
-            assert sum(np.prod(dims) for _, dims in hlo.shapes(inst.result)) <= ends, inst.line[:160]
+            assert size <= ends, inst.line[:160]
+    assert exchanged == ({"all-to-all": stack, "collective-permute": stack} if v > 1 else
+                         {"all-to-all": 0, "collective-permute": 0})
 
 
 @pytest.mark.slow
@@ -212,6 +244,10 @@ def test_checkpoint_restores_on_other_stage_counts_and_continues_exactly(tmp_pat
       "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}}},
      r"pipeline.stages: not with zero_optimization.offload_optimizer"),
     ({"pipeline": {"stages": 2, "depth": 2}}, r"pipeline.depth: unknown key"),
+    ({"pipeline": {"stages": 2, "repeats": 0}}, r"pipeline.repeats: must be >= 1"),
+    ({"pipeline": {"stages": 1, "repeats": 2}}, r"pipeline.repeats: 2 needs an even pipeline.stages"),
+    ({"pipeline": {"stages": 8, "repeats": 2}, "gradient_accumulation_steps": 2},
+     r"gradient_accumulation_steps: 2 is not a multiple of pipeline.stages / 2 = 4"),
 ])
 def test_misconfiguration_is_one_line_naming_the_key(change, match):
     raw = {"train_batch_size": BATCH, "jzero": {"mesh": {"devices": 8}}, **change}
@@ -226,6 +262,8 @@ def test_a_model_without_stages_or_an_uneven_split_is_refused_naming_the_key():
         jzero.abstract_init(init_fn, pp_config(2, 2, 1), loss_fn=loss_fn)
     with pytest.raises(jzero.ConfigError, match=r"pipeline.partition: 'parameters' splits the 4 blocks .* \[2, 1, 1\]"):
         jzero.abstract_init(init_fn, pp_config(3, 2, 1, devices=6), loss_fn=loss_fn, stages=gpt.stages(GPT4L))
+    with pytest.raises(jzero.ConfigError, match=r"splits the 4 blocks .* over pipeline.stages 4 x pipeline.repeats 2"):
+        jzero.abstract_init(init_fn, pp_config(4, 4, 1, repeats=2), loss_fn=loss_fn, stages=gpt.stages(GPT4L))
 
 
 @pytest.mark.slow

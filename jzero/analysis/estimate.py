@@ -186,20 +186,21 @@ def estimate(config: Config, stage: int | None = None) -> Estimate:
 
 def pipeline_plan(text: str, cfg: Config) -> dict[str, float]:
     """A pipelined step's schedule and traffic: its ticks, the idle fraction of the schedule the
-    step runs (`jzero.zero.pipeline.table`) beside DeepSpeed's formula, the stage inputs the
-    first stage keeps, and the GiB each device sends to a neighbouring stage per step (every
-    collective-permute of the compiled program, idle ticks' included, in the compute dtype). Memory rows are per
-    device, the same on every stage: one program runs them all."""
-    p, m = cfg.pipeline.stages, cfg.gradient_accumulation_steps
+    step runs (`jzero.zero.pipeline.table`) beside its closed form (DeepSpeed's at repeats 1),
+    the stage inputs a stage keeps (its stash), and the GiB each device sends to another stage per
+    step (every collective-permute of the compiled program, idle ticks' included, in the compute
+    dtype; circular stages' once-a-step exchange of the stack adds its permutes, not its
+    all-to-alls). Memory rows are per device, the same on every stage: one program runs them all."""
+    p, m, v = cfg.pipeline.stages, cfg.gradient_accumulation_steps, cfg.pipeline.repeats
     if p == 1:
         return {}
     permutes = [i for i in hlo.parse(text).instructions() if i.op in ("collective-permute", "collective-permute-start")]
     # in the compute dtype the step sends (XLA:CPU widens a bf16 collective-permute to f32)
     width = jax.numpy.dtype(precision.policy(cfg).compute_dtype).itemsize
     sent = sum(i.count * math.prod(dims) * width for i in permutes for _, dims in hlo.shapes(i.result)[:1])
-    return {"pipeline_stages": p, "pipeline_ticks": pipeline.ticks(p, m),
-            "bubble_fraction": pipeline.idle_fraction(p, m), "bubble_formula": (p - 1) / (m + p - 1),
-            "stage_inputs_kept": pipeline.in_flight(p, m)[0], "between_stages_gib": sent / GiB}
+    return {"pipeline_stages": p, "pipeline_repeats": v, "pipeline_ticks": pipeline.ticks(p, m, v),
+            "bubble_fraction": pipeline.idle_fraction(p, m, v), "bubble_formula": pipeline.bubble_formula(p, m, v),
+            "stage_inputs_kept": pipeline.stash_size(p, m, v), "between_stages_gib": sent / GiB}
 
 
 def model_parallel_comm(comm: profile.CommReport, mesh: Any) -> dict[str, float]:

@@ -171,6 +171,12 @@ def replica_groups(line: str) -> tuple[tuple[int, ...], ...] | None:
     return None
 
 
+def source_target_pairs(line: str) -> tuple[tuple[int, int], ...]:
+    """A collective-permute's (source, target) device ids."""
+    m = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", line)
+    return tuple((int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)\}", m.group(1))) if m else ()
+
+
 def group_size(line: str) -> int:
     m = re.search(r"replica_groups=\{\{([\d,]*)\}", line)
     if m:

@@ -54,10 +54,14 @@ class PipelineConfig:
     in a row each hold a contiguous share of the model's layer stack (1: off), chosen by
     ``partition`` (DeepSpeed's ``partition_method``: "parameters", "uniform" or "type:REGEX"
     over the layers' class names; `jzero.zero.pipeline`). Micro-batches are
-    ``gradient_accumulation_steps``, run by the 1F1B schedule."""
+    ``gradient_accumulation_steps``, run by the 1F1B schedule. ``repeats`` > 1: circular
+    (interleaved) stages, the stack cut into stages x repeats chunks dealt round-robin, each
+    micro-batch going round the ring ``repeats`` times (MaxText's ``num_pipeline_repeats``,
+    Megatron's virtual pipeline size)."""
 
     stages: int = 1
     partition: str = "parameters"
+    repeats: int = 1
 
 
 def model_parallel_size(cfg: Any) -> int:

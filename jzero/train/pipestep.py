@@ -3,9 +3,11 @@
 
 One ``shard_map`` manual over "stage" and the data axes runs every stage at once, each device
 its own stage's blocks (the stack's block dimension is sharded over "stage",
-`jzero.zero.pipeline.stage_specs`) on its data shard's micro-batches (``gradient_accumulation_steps``
-of them). A loop of m + p - 1 iterations of two ticks each follows `jzero.zero.pipeline.slot`:
-at a tick a stage runs a forward (its input stored in a ring of p slots: 1F1B's bound), a
+`jzero.zero.pipeline.stage_specs`; circular stages reshard it round-robin once a step, `chunked`)
+on its data shard's micro-batches (``gradient_accumulation_steps`` of them). A loop of two ticks
+an iteration (m + p - 1 iterations without repeats) follows `jzero.zero.pipeline.slot`:
+at a tick a stage runs a forward (its input stored in a ring of `jzero.zero.pipeline.stash_size`
+slots: p without repeats, 1F1B's bound), a
 backward (its stored input's forward recomputed under the model's remat policy, then
 differentiated against the gradient the next stage sent) or nothing, chosen by ``lax.switch``;
 then one ``ppermute`` moves what each stage produced, activations to the next stage and input
@@ -20,6 +22,7 @@ refuses them with a pipeline).
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -34,12 +37,13 @@ from jzero.zero.mesh import DATA_AXES, STAGE, data_parallel_size, keeping, manua
 _constrain = jax.lax.with_sharding_constraint
 
 
-def perms(stages: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+def perms(stages: int, circular: bool = False) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
     """The (source, target) pairs of an even tick's ``ppermute`` and an odd tick's: stages
-    running a forward send to the next stage, those running a backward to the previous one."""
+    running a forward send to the next stage, those running a backward to the previous one;
+    ``circular``: round the ring (the last stage's output to the first, for the next repeat)."""
     def at(parity: int) -> list[tuple[int, int]]:
-        forward = [(s, s + 1) for s in range(stages - 1) if (s - parity) % 2 == 0]
-        backward = [(s, s - 1) for s in range(1, stages) if (s - parity) % 2 == 1]
+        forward = [(s, (s + 1) % stages) for s in range(stages - 1 + circular) if (s - parity) % 2 == 0]
+        backward = [(s, (s - 1) % stages) for s in range(1 - circular, stages) if (s - parity) % 2 == 1]
         return forward + backward
 
     return at(0), at(1)
@@ -50,21 +54,32 @@ def gathered(spec: P) -> P:
     return keeping(spec, lambda a: a not in DATA_AXES)
 
 
+def chunked(spec: P) -> P:
+    """``spec`` of a stack leaf [blocks, ...] as that of its [repeats, blocks / repeats, ...]
+    view: sharded over "stage" along dim 1, each stage holds block r·pc + s·c + j as its
+    repeat r's j-th (circular stages' interleaved layout; one chunk at repeats 1)."""
+    return P(None, *spec)
+
+
 def pipelined_grads(state: Any, stored: Any, batch: Any, scale: Any) -> tuple[jax.Array, Any]:
     """(mean loss, mean gradients of loss x scale laid out per plan.grads) of the global
     ``batch``, by the 1F1B schedule over the pipeline's stages (``state.stages``)."""
     cfg, plan, cut = state.config, state.plan, state.stages
-    m = cfg.gradient_accumulation_steps
+    m, v = cfg.gradient_accumulation_steps, cfg.pipeline.repeats
     count = m * data_parallel_size(plan.mesh)
     fp16 = precision.loss_scaler(cfg) is not None
-    stack_specs = jax.tree.map(lambda s: gathered(s.spec), plan.compute[cut.stack])
+    stack_specs = jax.tree.map(lambda s: chunked(gathered(s.spec)), plan.compute[cut.stack])
     ends_specs = {k: jax.tree.map(lambda s: gathered(s.spec), v) for k, v in plan.compute.items() if k != cut.stack}
     def on_mesh(specs):
         return jax.tree.map(lambda s: NamedSharding(plan.mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
 
-    stack = _constrain(stored[cut.stack], on_mesh(stack_specs))
+    # Circular stages take their blocks round-robin: one exchange over "stage" a step (none at v = 1).
+    stack = _constrain(jax.tree.map(lambda x: x.reshape(v, -1, *x.shape[1:]), stored[cut.stack]), on_mesh(stack_specs))
     ends = _constrain({k: v for k, v in stored.items() if k != cut.stack}, on_mesh(ends_specs))
-    grad_specs = jax.tree.map(lambda s: s.spec, plan.grads)
+    layouts = {**plan.grads, cut.stack: jax.tree.map(lambda s: NamedSharding(plan.mesh, chunked(s.spec)),
+                                                     plan.grads[cut.stack])}
+    manual = functools.partial(keeping, keep=lambda a: a in manual_axes(plan.mesh))
+    grad_specs = jax.tree.map(lambda s: manual(s.spec), layouts)
     frozen = groups.frozen_mask(cfg, stored)
     on_wire = collectives.wire(cfg, plan.mesh)
 
@@ -74,39 +89,47 @@ def pipelined_grads(state: Any, stored: Any, batch: Any, scale: Any) -> tuple[ja
             loss, g_stack, g_ends = _schedule(state, stack, ends, rows, scale)
         grads = {**jax.lax.psum(g_ends, STAGE), cut.stack: g_stack}
         grads = jax.tree.map(lambda g, layout, f: collectives.reduce_once(g * (1 - f), layout, False, on_wire),
-                             grads, plan.grads, frozen)
+                             grads, layouts, frozen)
         grads = jax.tree.map(lambda g: g / count, grads) if fp16 else grads
         return jax.lax.psum(loss, (STAGE, *DATA_AXES)) / count, grads
 
-    strip = jax.tree.map(lambda s: keeping(s, lambda a: a in manual_axes(plan.mesh)), (stack_specs, ends_specs),
-                         is_leaf=lambda x: isinstance(x, P))
-    return jax.shard_map(local, mesh=plan.mesh, in_specs=(*strip, P(DATA_AXES), P()),
-                         out_specs=(P(), jax.tree.map(lambda s: keeping(s, lambda a: a in manual_axes(plan.mesh)),
-                                                      grad_specs, is_leaf=lambda x: isinstance(x, P))),
-                         axis_names=manual_axes(plan.mesh), check_vma=False)(stack, ends, batch, scale)
+    strip = jax.tree.map(manual, (stack_specs, ends_specs), is_leaf=lambda x: isinstance(x, P))
+    loss, grads = jax.shard_map(local, mesh=plan.mesh, in_specs=(*strip, P(DATA_AXES), P()),
+                                out_specs=(P(), grad_specs), axis_names=manual_axes(plan.mesh),
+                                check_vma=False)(stack, ends, batch, scale)
+    blocks = jax.tree.map(lambda g, layout: _constrain(g.reshape(-1, *g.shape[2:]), layout),
+                          grads[cut.stack], plan.grads[cut.stack])
+    return loss, {**grads, cut.stack: blocks}
 
 
-def _schedule(state: Any, stack: Any, ends: Any, rows: Any, scale: Any) -> tuple[jax.Array, Any, Any]:
-    """One device's stage through the whole schedule: (its loss sum, its accumulated fp32
-    gradients of the stack and of the ends)."""
-    cfg, cut = state.config, state.stages
-    p, m = cfg.pipeline.stages, cfg.gradient_accumulation_steps
-    compute = precision.policy(cfg).compute_dtype
-    s = jax.lax.axis_index(STAGE)
-    micro = jax.tree.map(lambda x: x.reshape(m, x.shape[0] // m, *x.shape[1:]), rows)
-    last = s == p - 1
+def _chunk_fns(cut: Any, compute: Any, scale: Any) -> tuple[Any, Any]:
+    """A chunk's forward (the first virtual stage embeds) and what its backward differentiates:
+    the last virtual stage's scaled loss, any other's <output, the gradient sent back>."""
+    def forward(chunk, ends, x, mb, first):
+        chunk, ends = precision.cast_floating((chunk, ends), compute)
+        return cut.layers(chunk, jnp.where(first, cut.embed(ends, mb), x))
 
-    def forward(stack, ends, x, mb):
-        stack, ends = precision.cast_floating((stack, ends), compute)
-        return cut.layers(stack, jnp.where(s == 0, cut.embed(ends, mb), x))
-
-    def objective(stack, ends, x, mb, ct):  # the last stage's loss, else <output, its gradient>
-        y = forward(stack, ends, x, mb)
+    def objective(chunk, ends, x, mb, ct, first, last):
+        y = forward(chunk, ends, x, mb, first)
         loss = jax.lax.cond(last, lambda: cut.head(precision.cast_floating(ends, compute), y, mb).astype(jnp.float32),
                             lambda: jnp.zeros((), jnp.float32))
         inner = jnp.sum(y.astype(jnp.float32) * ct.astype(jnp.float32))
         return jnp.where(last, loss * scale, inner), loss
 
+    return forward, objective
+
+
+def _schedule(state: Any, stack: Any, ends: Any, rows: Any, scale: Any) -> tuple[jax.Array, Any, Any]:
+    """One device's stage through the whole schedule: (its loss sum, its accumulated fp32
+    gradients of its stack chunks [repeats, blocks, ...] and of the ends)."""
+    cfg, cut = state.config, state.stages
+    p, m, v = cfg.pipeline.stages, cfg.gradient_accumulation_steps, cfg.pipeline.repeats
+    compute = precision.policy(cfg).compute_dtype
+    s = jax.lax.axis_index(STAGE)
+    micro = jax.tree.map(lambda x: x.reshape(m, x.shape[0] // m, *x.shape[1:]), rows)
+    slots = pipeline.stash_size(p, m, v)
+
+    forward, objective = _chunk_fns(cut, compute, scale)
     shape = jax.eval_shape(lambda e, mb: cut.embed(precision.cast_floating(e, compute), mb), ends,
                            jax.tree.map(lambda x: x[0], micro))
     zeros_x = jnp.zeros(shape.shape, shape.dtype)
@@ -114,34 +137,36 @@ def _schedule(state: Any, stack: Any, ends: Any, rows: Any, scale: Any) -> tuple
 
     def tick(carry, t, perm):
         stash, recv, acc, loss_sum = carry
-        op, i = pipeline.slot(t, s, p, m)
-        k = jnp.clip(i, 0, m - 1)
-        mb = jax.tree.map(lambda x: x[k], micro)
-        kept = stash[k % p]
+        op, i, r = pipeline.slot(t, s, p, m, v)
+        k, r = jnp.clip(i, 0, m - 1), (jnp.clip(r, 0, v - 1) if v > 1 else 0)
+        first, last = (s == 0) & (r == 0), (s == p - 1) & (r == v - 1)
+        mb, chunk = jax.tree.map(lambda x: x[k], micro), jax.tree.map(lambda x: x[r], stack)
+        key = pipeline.forward_index(k, r, p, v) % slots
+        kept = stash[key]
 
         def idle():
-            return zeros_x, zero_grads, jnp.zeros((), jnp.float32)
+            return zeros_x, jax.tree.map(lambda x: x[0], zero_grads[0]), zero_grads[1], jnp.zeros((), jnp.float32)
 
         def run_forward():
-            return jax.lax.cond(last, lambda: zeros_x, lambda: forward(stack, ends, recv, mb)), zero_grads, idle()[2]
+            return jax.lax.cond(last, lambda: zeros_x, lambda: forward(chunk, ends, recv, mb, first)), *idle()[1:]
 
         def run_backward():
-            (_, loss), (g_stack, g_ends, g_x) = jax.value_and_grad(objective, argnums=(0, 1, 2), has_aux=True)(
-                stack, ends, kept, mb, recv)
-            return g_x.astype(zeros_x.dtype), (g_stack, g_ends), loss
+            (_, loss), (g_chunk, g_ends, g_x) = jax.value_and_grad(objective, argnums=(0, 1, 2), has_aux=True)(
+                chunk, ends, kept, mb, recv, first, last)
+            return g_x.astype(zeros_x.dtype), g_chunk, g_ends, loss
 
         # Only what a tick produces leaves the switch: the stash and the accumulators are
         # updated in place outside it (inside, each branch would return a copy of them).
-        send, grads, loss = jax.lax.switch(op, [idle, run_forward, run_backward])
-        stash = stash.at[k % p].set(jnp.where(op == pipeline.FORWARD, recv, kept))
-        acc = jax.tree.map(jnp.add, acc, grads)
+        send, g_chunk, g_ends, loss = jax.lax.switch(op, [idle, run_forward, run_backward])
+        stash = stash.at[key].set(jnp.where(op == pipeline.FORWARD, recv, kept))
+        acc = (jax.tree.map(lambda a, g: a.at[r].add(g), acc[0], g_chunk), jax.tree.map(jnp.add, acc[1], g_ends))
         return stash, jax.lax.ppermute(send, STAGE, perm), acc, loss_sum + loss
 
-    even, odd = perms(p)
+    even, odd = perms(p, circular=v > 1)
 
     def iteration(carry, it):
         return tick(tick(carry, 2 * it, even), 2 * it + 1, odd), None
 
-    start = (jnp.zeros((p, *shape.shape), shape.dtype), zeros_x, zero_grads, jnp.zeros((), jnp.float32))
-    (_, _, (g_stack, g_ends), loss_sum), _ = jax.lax.scan(iteration, start, jnp.arange(m + p - 1))
+    start = (jnp.zeros((slots, *shape.shape), shape.dtype), zeros_x, zero_grads, jnp.zeros((), jnp.float32))
+    (_, _, (g_stack, g_ends), loss_sum), _ = jax.lax.scan(iteration, start, jnp.arange(pipeline.ticks(p, m, v) // 2))
     return loss_sum, g_stack, g_ends

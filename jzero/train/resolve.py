@@ -140,6 +140,7 @@ def _check_model_parallel(cfg: Config) -> None:
     if pp.stages < 1:
         raise ConfigError(f"pipeline.stages: must be >= 1 (1: off), got {pp.stages}")
     pipeline.check_method(pp.partition)
+    pipeline.check_repeats(pp.stages, cfg.gradient_accumulation_steps, pp.repeats)
     if cfg.jzero.mesh.megatron_sequence_parallel and tp.size == 1:
         raise ConfigError("jzero.mesh.megatron_sequence_parallel: splits the tensor group's tokens; it needs "
                           "tensor_parallel.autotp_size > 1")

@@ -158,7 +158,7 @@ def _staged(config: Config, params_shape: Any, specs: Any, stages: Stages | None
         why = ("has model state" if stateful
                else "was not cut into stages (init(stages=...): a reference model's .stages)")
         raise ConfigError(f"pipeline.stages: {pp.stages} needs a model cut into stages; this one {why}")
-    return pipeline.stage_specs(specs, params_shape, stages.stack, stages.block, pp.stages, pp.partition)
+    return pipeline.stage_specs(specs, params_shape, stages.stack, stages.block, pp.stages, pp.partition, pp.repeats)
 
 
 class _Prepared(NamedTuple):

@@ -13,11 +13,14 @@ Partition (DeepSpeed's ``PipelineModule(partition_method=...)``, over the layer 
 One SPMD program runs every stage, its stack sharded over the "stage" mesh axis, so every stage
 must get the same number of blocks; a split that does not is refused, naming the key.
 
-Schedule (p stages, m micro-batches, 2(m + p - 1) ticks): at tick t stage s runs a forward when
-t - s is even, else a backward; forward of micro-batch i at t = 2i + s, backward at
-t = 2i + 2p - 1 - s; a micro-batch id outside [0, m) is idle. So a stage never holds more than
-p - s micro-batches' inputs (stage 0: p, the 1F1B bound), and each stage is idle on
-2(p - 1) of the 2(m + p - 1) ticks: the bubble (p - 1) / (m + p - 1). `slot` is written in
+Schedule (p stages, m micro-batches, v repeats): at tick t stage s runs a forward when t - s is
+even, else a backward: its u-th forward at t = 2u + s, its u-th backward at
+t = 2u + (v + 1)p - 1 - s; u outside [0, mv) is idle. At v = 1, u is the micro-batch: DeepSpeed's
+1F1B, 2(m + p - 1) ticks, stage s holding at most p - s micro-batches' inputs (stage 0: p, the
+1F1B bound), idle (p - 1) / (m + p - 1). Circular stages (v > 1: chunk r·p + s of the stack on
+stage s) take micro-batches in groups of p / 2, each group's repeats in turn (backward: in
+reverse), so the last stage's output reaches the first stage on the very tick it is due there:
+2mv + (v + 1)p - 2 ticks, idle ((v + 1)p - 2) / (2mv + (v + 1)p - 2). `slot` is written in
 arithmetic that Python ints and traced JAX integers share, so the table the tests and
 `jzero estimate` read is the one the step runs.
 """
@@ -104,60 +107,112 @@ def partition(method: str, names: Sequence[str], sizes: Sequence[int], stages: i
     return partition_balanced(weights, stages)
 
 
-def layers_per_stage(method: str, names: Sequence[str], sizes: Sequence[int], stages: int) -> int:
-    """How many of the stack's blocks each stage holds; ConfigError naming ``pipeline.partition``
-    (or ``pipeline.stages``) when ``method`` does not give every stage the same number."""
-    bounds = partition(method, names, sizes, stages)
+def layers_per_stage(method: str, names: Sequence[str], sizes: Sequence[int], stages: int, repeats: int = 1) -> int:
+    """How many of the stack's blocks each of the stages x repeats chunks holds; ConfigError
+    naming ``pipeline.partition`` when ``method`` does not give every chunk the same number."""
+    bounds = partition(method, names, sizes, stages * repeats)
     counts = [b - a for a, b in zip(bounds, bounds[1:], strict=False)]
     if len(set(counts)) > 1 or counts[0] == 0:
+        over = f"pipeline.stages {stages}" + (f" x pipeline.repeats {repeats}" if repeats > 1 else "")
         raise ConfigError(f"pipeline.partition: {method!r} splits the {len(names)} blocks of the layer stack "
-                          f"{counts} over pipeline.stages {stages}; every stage must hold the same number (one "
-                          f"program over a stacked layer axis): use stages that divide {len(names)}")
+                          f"{counts} over {over}; every stage must hold the same number (one program over a "
+                          f"stacked layer axis): use stages that divide {len(names)}")
     return counts[0]
 
 
-def ticks(stages: int, micro_batches: int) -> int:
-    """The 1F1B schedule's length: 2(m + p - 1) ticks (the step runs m + p - 1 loop iterations
-    of two ticks each)."""
-    return 2 * (micro_batches + stages - 1)
+def group(stages: int, repeats: int) -> int:
+    """Micro-batches that go round the ring together (circular stages: stages / 2, so stage
+    p - 1's output reaches stage 0 on the very tick it is due there; 1 without repeats)."""
+    return stages // 2 if repeats > 1 else 1
 
 
-def slot(tick: Any, stage: Any, stages: int, micro_batches: int) -> tuple[Any, Any]:
-    """(op, micro-batch) of ``stage`` at ``tick``: `FORWARD`, `BACKWARD` or `IDLE` (micro-batch
-    then meaningless). Python ints or traced JAX integers alike."""
+def check_repeats(stages: int, micro_batches: int, repeats: int) -> None:
+    """ConfigError naming the key unless circular stages' schedule fits: repeats >= 1, an even
+    stage count and micro-batches in whole groups of stages / 2."""
+    if repeats < 1:
+        raise ConfigError(f"pipeline.repeats: must be >= 1 (1: not circular), got {repeats}")
+    if repeats == 1:
+        return
+    if stages % 2:
+        raise ConfigError(f"pipeline.repeats: {repeats} needs an even pipeline.stages (micro-batches go round the "
+                          f"ring in groups of stages / 2), got {stages}")
+    if micro_batches % group(stages, repeats):
+        raise ConfigError(f"gradient_accumulation_steps: {micro_batches} is not a multiple of pipeline.stages / 2 = "
+                          f"{group(stages, repeats)} (circular stages run micro-batches in such groups)")
+
+
+def ticks(stages: int, micro_batches: int, repeats: int = 1) -> int:
+    """The schedule's length: 2mv + (v + 1)p - 2 ticks (1F1B's 2(m + p - 1) at v = 1), run as
+    half as many loop iterations of two ticks each."""
+    return 2 * micro_batches * repeats + (repeats + 1) * stages - 2
+
+
+def bubble_formula(stages: int, micro_batches: int, repeats: int = 1) -> float:
+    """The idle fraction of `table`'s schedule in closed form: ((v + 1)p - 2) / (2mv + (v + 1)p - 2),
+    DeepSpeed's (p - 1) / (m + p - 1) at v = 1."""
+    idle = (repeats + 1) * stages - 2
+    return idle / (2 * micro_batches * repeats + idle)
+
+
+def slot(tick: Any, stage: Any, stages: int, micro_batches: int, repeats: int = 1) -> tuple[Any, Any, Any]:
+    """(op, micro-batch, repeat) of ``stage`` at ``tick``: `FORWARD`, `BACKWARD` or `IDLE` (the
+    other two then meaningless). Python ints or traced JAX integers alike."""
+    q, v = group(stages, repeats), repeats
     forward = (tick - stage) % 2 == 0
     first = (tick - stage) // 2
-    second = (tick - (2 * stages - 1 - stage)) // 2
-    micro = second + forward * (first - second)
-    valid = (micro >= 0) & (micro < micro_batches)
-    return valid * (BACKWARD - forward * (BACKWARD - FORWARD)), micro
+    second = (tick - ((v + 1) * stages - 1 - stage)) // 2
+    u = second + forward * (first - second)  # the op's place in the stage's forward (backward) order
+    valid = (u >= 0) & (u < micro_batches * v)
+    micro = u // (q * v) * q + u % q
+    turn = u % (q * v) // q
+    repeat = turn + (1 - forward) * (v - 1 - 2 * turn)  # backward: the repeats in reverse
+    return valid * (BACKWARD - forward * (BACKWARD - FORWARD)), micro, repeat
 
 
-def table(stages: int, micro_batches: int) -> list[list[tuple[int, int]]]:
-    """Every stage's (op, micro-batch) at every tick: rows are ticks."""
-    return [[tuple(int(v) for v in slot(t, s, stages, micro_batches)) for s in range(stages)]
-            for t in range(ticks(stages, micro_batches))]
+def table(stages: int, micro_batches: int, repeats: int = 1) -> list[list[tuple[int, int, int]]]:
+    """Every stage's (op, micro-batch, repeat) at every tick: rows are ticks."""
+    return [[tuple(int(x) for x in slot(t, s, stages, micro_batches, repeats)) for s in range(stages)]
+            for t in range(ticks(stages, micro_batches, repeats))]
 
 
-def idle_fraction(stages: int, micro_batches: int) -> float:
-    """The fraction of stage-ticks `table` leaves idle (DeepSpeed's bubble: (p - 1) / (m + p - 1))."""
-    rows = table(stages, micro_batches)
-    return sum(op == IDLE for row in rows for op, _ in row) / (len(rows) * stages)
+def idle_fraction(stages: int, micro_batches: int, repeats: int = 1) -> float:
+    """The fraction of stage-ticks `table` leaves idle (`bubble_formula`)."""
+    rows = table(stages, micro_batches, repeats)
+    return sum(op == IDLE for row in rows for op, _, _ in row) / (len(rows) * stages)
 
 
-def in_flight(stages: int, micro_batches: int) -> list[int]:
-    """Each stage's most micro-batches forwarded and not yet backwarded at once (stage s: p - s,
-    capped by m): the stage inputs it keeps."""
-    peak = [0] * stages
-    live = [0] * stages
-    for row in table(stages, micro_batches):
-        for s, (op, _) in enumerate(row):
-            live[s] += (op == FORWARD) - (op == BACKWARD)
-            peak[s] = max(peak[s], live[s])
-    return peak
+def forward_index(micro: Any, repeat: Any, stages: int, repeats: int = 1) -> Any:
+    """The place of (micro-batch, repeat) in a stage's forward order."""
+    q = group(stages, repeats)
+    return micro // q * q * repeats + repeat * q + micro % q
 
 
-def stage_specs(specs: Any, params_shape: Any, stack: str, block: str, stages: int, method: str) -> Any:
+def _live(stages: int, micro_batches: int, repeats: int) -> list[list[set[int]]]:
+    """Each stage's forward indices forwarded and not yet backwarded, after each tick."""
+    live: list[set[int]] = [set() for _ in range(stages)]
+    after = []
+    for row in table(stages, micro_batches, repeats):
+        for s, (op, i, r) in enumerate(row):
+            u = forward_index(i, r, stages, repeats)
+            live[s] = live[s] | {u} if op == FORWARD else live[s] - {u}
+        after.append([set(x) for x in live])
+    return after
+
+
+def in_flight(stages: int, micro_batches: int, repeats: int = 1) -> list[int]:
+    """Each stage's most (micro-batch, repeat) inputs forwarded and not yet backwarded at once
+    (stage s: p - s at v = 1, capped by m): the stage inputs it keeps."""
+    return [max(len(row[s]) for row in _live(stages, micro_batches, repeats)) for s in range(stages)]
+
+
+def stash_size(stages: int, micro_batches: int, repeats: int = 1) -> int:
+    """Slots of the ring a stage keeps its inputs in, keyed by `forward_index` modulo this: the
+    widest span of forward indices alive at once on any stage (p at v = 1)."""
+    return max(max(x) - min(x) + 1 for row in _live(stages, micro_batches, repeats) for x in row if x)
+
+
+def stage_specs(specs: Any, params_shape: Any, stack: str, block: str, stages: int, method: str,
+                repeats: int = 1) -> Any:
     """``specs`` (the params' PartitionSpecs, None: all replicated) with the layer stack's leading (block) dimension
     over "stage": each stage holds a contiguous `layers_per_stage` of the blocks, every other
     leaf (the ends) every stage's. ConfigError naming ``pipeline.stages`` for a model without
@@ -170,7 +225,7 @@ def stage_specs(specs: Any, params_shape: Any, stack: str, block: str, stages: i
     leaves = jax.tree.leaves(stacked)
     blocks = leaves[0].shape[0]
     per_block = sum(math.prod(x.shape[1:]) for x in leaves)
-    layers_per_stage(method, [block] * blocks, [per_block] * blocks, stages)
+    layers_per_stage(method, [block] * blocks, [per_block] * blocks, stages, repeats)
 
     def with_stage(spec: P) -> P:
         return P(STAGE, *tuple(spec)[1:])
