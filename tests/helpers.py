@@ -28,8 +28,9 @@ def cli_env(optimized=False):
     """The test environment for a jzero subprocess: its own device count, the cheap XLA pipeline
     (``optimized``: XLA's full pipeline, for runs long enough that step time dominates)."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_DISABLE_MOST_OPTIMIZATIONS")}
-    if not optimized:
-        env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"  # compile time dominates these tiny runs
+    if not optimized:  # compile time dominates these tiny runs
+        env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
+        env["XLA_FLAGS"] = "--xla_cpu_use_fusion_emitters=false"  # conftest's CHEAP_XLA_FLAGS
     return env
 
 

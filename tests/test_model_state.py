@@ -5,6 +5,7 @@ that threads the statistics through its micro-batches and the blocks' statistics
 params and statistics after 10 steps at rtol 1e-5, every stage x 1/2/8 devices x accumulation
 1/4. Evaluation reads the carried statistics; checkpoints and exports keep them."""
 import functools
+import os
 import signal
 import subprocess
 import sys
@@ -306,7 +307,7 @@ def test_a_killed_run_resumes_bit_for_bit(tmp_path):
               f"ckpt = Checkpointer({str(tmp_path / 'ckpt')!r})\nckpt.save(state, force=True)\nckpt.wait()\n"
               "for batch in data[5:7]:\n    state, _ = jzero.train_step(state, batch)\n"
               "os.kill(os.getpid(), signal.SIGKILL)\n")
-    env = {**cli_env(), "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    env = {**cli_env(), "XLA_FLAGS": os.environ["XLA_FLAGS"]}  # this process's: bit for bit
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     init_fn, loss_fn = ADAPTERS["linen"]()

@@ -2,7 +2,10 @@
 lives, that offloading changes no number, the device and host bytes it leaves, the per-layer
 transfer of offloaded params in the GPU program, config errors and checkpoints."""
 import functools
+import json
 import re
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -14,7 +17,7 @@ from jzero.config import ConfigError, ConfigWarning
 from jzero.models import gpt
 from jzero.runtime.checkpoint import Checkpointer
 
-from helpers import GPT_CFG, jzero_cli, read_csv, token_batches
+from helpers import GPT_CFG, ROOT, cli_env, jzero_cli, read_csv, token_batches
 
 N = 8
 STEPS = 20
@@ -95,9 +98,25 @@ SLOW = CASES[3:]  # fp16 and the rest: the slow suite (the default suite's budge
     pytest.param(*c, id=f"zero{c[0]}{'-params' * c[1]}-accum{c[2]}-{c[3]}", marks=pytest.mark.slow if c in SLOW else ())
     for c in CASES])
 def test_losses_equal_the_device_run(stage, params, accum, precision):
-    offloaded = losses(stage, True, params, accum, precision)
-    np.testing.assert_allclose(offloaded, losses(stage, False, False, accum, precision), rtol=1e-6)
+    runs = losses_in_product_xla if precision == "fp16" else losses
+    offloaded = runs(stage, True, params, accum, precision)
+    np.testing.assert_allclose(offloaded, runs(stage, False, False, accum, precision), rtol=1e-6)
     assert offloaded[-1] < offloaded[0]
+
+
+def losses_in_product_xla(*args):
+    """`losses` in a fresh process with XLA:CPU's fusion emitters on, as jzero compiles outside the
+    tests: fp16 turns an fp32 ulp into a visible loss change, and with the suite's emitters off
+    the offloaded step's host-side update rounds one ulp apart from the device step's."""
+    script = ("import os, sys, json\n"
+              "os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=8'\n"
+              "sys.path.insert(0, 'tests')\n"
+              f"import test_offload\nprint(json.dumps(test_offload.losses(*{args!r}).tolist()))\n")
+    env = {**cli_env(), "JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return np.array(json.loads(proc.stdout.splitlines()[-1]))
 
 
 def test_skipped_fp16_step_leaves_host_state_bit_identical():
