@@ -116,7 +116,7 @@ def layers_per_stage(method: str, names: Sequence[str], sizes: Sequence[int], st
         over = f"pipeline.stages {stages}" + (f" x pipeline.repeats {repeats}" if repeats > 1 else "")
         raise ConfigError(f"pipeline.partition: {method!r} splits the {len(names)} blocks of the layer stack "
                           f"{counts} over {over}; every stage must hold the same number (one program over a "
-                          f"stacked layer axis): use stages that divide {len(names)}")
+                          f"stacked layer axis): use stages{' x repeats' * (repeats > 1)} that divide {len(names)}")
     return counts[0]
 
 
