@@ -9,7 +9,9 @@ import subprocess
 import sys
 import time
 
+import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -188,6 +190,101 @@ def test_vit_with_tensor_parallel_matches_plain_loop():
     jax.tree.map(assert_params_close, jax.device_get(state.params), ref_params)
 
 
+# ---- data-parallel size 1: the model axes fill the devices (issue 48) --------------------------
+def dp1_config(tp, sp, pp, stage, **extra):
+    """``tp`` x ``sp`` x ``pp`` devices and nothing else: the data axes are one device."""
+    return mp_config(tp, sp, stage, pp, pipeline={"stages": pp}, jzero={"mesh": {"devices": tp * sp * pp}}, **extra)
+
+
+def train_and_eval(cfg, init_fn, loss_fn, data, stages=None):
+    """(losses of a train step on each of ``data`` but the last, the eval loss of the last, params)."""
+    state = jzero.init(init_fn, cfg, loss_fn=loss_fn, rng=jax.random.key(0), stages=stages)
+    assert jzero.make_mesh(cfg).size == cfg.jzero.mesh.devices and state.plan.mesh.shape["fsdp"] == 1
+    losses = []
+    for batch in data[:-1]:
+        state, metrics = jzero.train_step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return np.array(losses), float(jzero.eval_step(state, data[-1])), jax.device_get(state.params)
+
+
+@functools.cache
+def dp1_reference(make_model, make_data):
+    """The plain loop on every batch but the last, and the last batch's loss after it."""
+    init_fn, loss_fn = make_model()
+    data = make_data()
+    losses, params = plain_loop(init_fn, loss_fn, data[:-1], lambda b: jax.tree.map(lambda x: x[None], b))
+    return losses, float(loss_fn(params, data[-1], jax.random.key(0))), params
+
+
+def gpt_model():
+    return gpt.make(GPT4)
+
+
+def gpt_data():
+    return token_batches(STEPS + 1, BATCH, GPT4.seq_len, GPT4.vocab_size)
+
+
+class UserBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return x + nn.Dense(x.shape[-1], name="w_out")(jnp.tanh(nn.Dense(64, name="w_in")(x)))
+
+
+class UserModel(nn.Module):
+    """A user's Linen model: its own names, split by its own partition_config rules."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = jzero.scan_layers(UserBlock(), 2, name="blocks")(nn.Dense(32, name="embed")(x))
+        return nn.Dense(8, name="readout")(h)
+
+
+USER_RULES = {"layer_specs": [{"patterns": ["w_in/(kernel|bias)$"], "partition_type": "column"},
+                              {"patterns": ["w_out/kernel$"], "partition_type": "row"}]}
+
+
+def user_model():
+    return jzero.from_linen(UserModel(), jax.ShapeDtypeStruct((1, 16), jnp.float32),
+                            lambda out, batch: jnp.mean((out - batch["y"]) ** 2))
+
+
+def user_data():
+    rng = np.random.default_rng(2)
+    return [{"inputs": x, "y": np.tanh(x[:, :8] * 2)} for x in
+            (rng.normal(size=(BATCH, 16)).astype(np.float32) for _ in range(STEPS + 1))]
+
+
+DP1 = [(tp, sp, pp, stage) for tp, sp, pp in ((2, 1, 1), (1, 2, 1), (2, 2, 1), (2, 1, 2)) for stage in range(4)]
+DP1_DEFAULT = {(2, 1, 1, 2), (1, 2, 1, 3), (2, 2, 1, 1), (2, 1, 2, 0)}
+
+
+@pytest.mark.parametrize("tp,sp,pp,stage", [
+    pytest.param(*c, marks=() if c in DP1_DEFAULT else pytest.mark.slow) for c in DP1],
+    ids=[f"tp{tp}-sp{sp}-pp{pp}-zero{s}" for tp, sp, pp, s in DP1])
+def test_model_axes_filling_the_devices_match_plain_loop(tp, sp, pp, stage):
+    """Tensor, sequence, tensor x sequence and pipeline x tensor over every device (data-parallel
+    size 1), each ZeRO stage: the plain loop's losses (rtol 1e-5), evaluation and params. On
+    36819f1 every such layout without a pipeline stopped in XLA (a cross-partition all-reduce
+    outside manual partitioning: docs/design.md, "Data-parallel size 1")."""
+    ref_losses, ref_eval, ref_params = dp1_reference(gpt_model, gpt_data)
+    losses, evaluated, params = train_and_eval(dp1_config(tp, sp, pp, stage), *gpt_model(), gpt_data(),
+                                               stages=gpt.stages(GPT4) if pp > 1 else None)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    np.testing.assert_allclose(evaluated, ref_eval, rtol=1e-5)
+    jax.tree.map(assert_params_close, params, ref_params)
+
+
+@pytest.mark.parametrize("stage", [pytest.param(s, marks=() if s in (0, 3) else pytest.mark.slow) for s in range(4)])
+def test_users_linen_model_split_four_ways_over_four_devices_matches_plain_loop(stage):
+    """A Linen model of the user's with ``partition_config`` rules at autotp_size 4 on 4 devices."""
+    ref_losses, ref_eval, ref_params = dp1_reference(user_model, user_data)
+    cfg = dp1_config(4, 1, 1, stage, tensor_parallel={"autotp_size": 4, "partition_config": USER_RULES})
+    losses, evaluated, params = train_and_eval(cfg, *user_model(), user_data())
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    np.testing.assert_allclose(evaluated, ref_eval, rtol=1e-5)
+    jax.tree.map(assert_params_close, params, ref_params)
+
+
 # ---- collectives and memory from the compiled step --------------------------------------------
 PLAN_MODEL = {"name": "gpt", "size": "tiny", "n_layers": 3, "n_heads": 8, "d_model": 128, "d_ff": 512,
               "seq_len": 256, "vocab_size": 256}
@@ -215,12 +312,23 @@ def per_layer(step, kind, axes, backward):
 LAYERS, BSH = PLAN_MODEL["n_layers"], 2 * PLAN_MODEL["seq_len"] * PLAN_MODEL["d_model"]  # micro 2 rows a device
 
 
-def test_megatron_tensor_parallel_is_two_all_reduces_a_layer_each_way():
-    step = compiled(2, 1)
+def only_over(step, axes):
+    """Whether every collective of the compiled step that moves data runs over ``axes``."""
+    mesh = step.state.plan.mesh
+    return {profile.axes_of(c.groups[0], mesh) for c in profile.comm(step.compiled).collectives
+            if c.group_size > 1 and c.groups} == {axes}
+
+
+@pytest.mark.parametrize("devices", [8, 2], ids=["dp4", "dp1"])
+def test_megatron_tensor_parallel_is_two_all_reduces_a_layer_each_way(devices):
+    """With 4 data devices, and with the tensor group filling the devices (data-parallel size 1:
+    then nothing but the tensor group's collectives)."""
+    step = compiled(2, 1, devices=devices)
     assert per_layer(step, "all-reduce", ("tensor",), False) == [(BSH, LAYERS)] * 2  # after proj and out
     assert per_layer(step, "all-reduce", ("tensor",), True) == [(BSH, LAYERS)] * 2  # into qkv and fc inputs
     for kind in ("all-gather", "reduce-scatter", "all-to-all"):
         assert per_layer(step, kind, ("tensor",), False) == []
+    assert devices > 2 or only_over(step, ("tensor",))
 
 
 def test_megatron_sequence_parallel_gathers_before_and_reduces_after():
@@ -237,15 +345,17 @@ def test_megatron_sequence_parallel_gathers_before_and_reduces_after():
     assert len(reductions) == 2
 
 
-def test_ulysses_is_four_all_to_alls_a_layer_each_way_all_in_attention():
+@pytest.mark.parametrize("devices", [8, 4], ids=["dp2", "dp1"])
+def test_ulysses_is_four_all_to_alls_a_layer_each_way_all_in_attention(devices):
     sp = 4
-    step = compiled(1, sp)
+    step = compiled(1, sp, devices=devices)
     for backward in (False, True):
         moves = per_layer(step, "all-to-all", ("sequence",), backward)
         assert moves == [(BSH // sp, LAYERS)] * 4, (backward, moves)  # q, k, v and the output: b*s*h / P
     outside = [c for c in profile.comm(step.compiled).collectives
                if c.kind == "all-to-all" and c.group_size > 1 and "/attention/" not in c.op_name]
     assert outside == [] and dict(step.state.plan.mesh.shape)["sequence"] == sp
+    assert devices > sp or only_over(step, ("sequence",))
 
 
 def test_zero_collectives_move_each_devices_own_share():

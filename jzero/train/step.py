@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 from jzero.train import collectives, pipestep
 from jzero.train.state import TrainState
 from jzero.zero import buckets, fused, groups, hooks, modelaxes, modelstate, optim, phase, precision, treepath
-from jzero.zero.mesh import DATA_AXES, data_parallel_size, over_data
+from jzero.zero.mesh import DATA_AXES, axis_index, data_parallel_size, over_data, pmean, psum
 from jzero.zero.rows import split_over
 from jzero.zero.sharding import ZERO_RULES
 
@@ -237,7 +237,7 @@ def _accumulated_grads(state: TrainState, stored: Any, batch: Any, rng: jax.Arra
     frozen = groups.frozen_mask(cfg, state.params)
 
     def local(stored, targets, rows, rng, scale, model_state):
-        rng = jax.random.fold_in(rng, jax.lax.axis_index(DATA_AXES))  # each device its own dropout
+        rng = jax.random.fold_in(rng, axis_index(DATA_AXES))  # each device its own dropout
         scale = scale if fp16 else scale / count  # the mean over micro-batches and devices, by the backward
         if hooked is None:
             targets = jax.tree.map(hooks.vary, stored)  # local, unreduced gradients
@@ -260,15 +260,15 @@ def _accumulated_grads(state: TrainState, stored: Any, batch: Any, rng: jax.Arra
             loss, aux, acc, model_state = _one_batch(grad_fn, rows, rng, zeros if per_layer else None, model_state)
         else:
             micro = jax.tree.map(lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:]), rows)
-            loss0 = jax.lax.pcast(jnp.zeros((), jnp.float32), DATA_AXES, to="varying")  # a local sum
+            loss0 = hooks.vary(jnp.zeros((), jnp.float32))  # a local sum
             loss, aux, acc, model_state = _sum_over_micro_batches(
                 grad_fn, micro, rng, (zeros, loss0, jax.tree.map(hooks.vary, model_state)))
         if hooked is None:
             on_wire = collectives.wire(cfg, plan.mesh)
             acc = jax.tree.map(functools.partial(collectives.reduce_once, on_wire=on_wire), acc, plan.grads, frozen)
-        aux = None if aux is None else jax.tree.map(lambda a: jax.lax.pmean(a, DATA_AXES), aux)
+        aux = None if aux is None else jax.tree.map(lambda a: pmean(a, DATA_AXES), aux)
         acc = jax.tree.map(lambda g: g / count, acc) if fp16 else acc
-        return (jax.lax.psum(loss, DATA_AXES) / count, aux, acc,
+        return (psum(loss, DATA_AXES) / count, aux, acc,
                 modelstate.synchronized(model_state, DATA_AXES))
 
     specs = jax.tree.map(lambda s: s.spec, (plan.compute, plan.grads))
@@ -337,7 +337,7 @@ def eval_step(state: TrainState, batch: Any) -> jax.Array:
         params = stored if hooked is None else targets  # what _local_loss reads at this stage
         with phase.evaluating():
             loss = _local_loss(state, hooked, stored, params, None, rows, state.rng, 1.0, model_state)[1][0]
-        return jax.lax.pmean(loss, DATA_AXES)
+        return pmean(loss, DATA_AXES)
 
     specs = jax.tree.map(lambda s: s.spec, (plan.compute, plan.grads))
     return over_data(local, plan.mesh, in_specs=(*specs, P(DATA_AXES), P()), out_specs=P())(

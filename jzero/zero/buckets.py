@@ -24,10 +24,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jzero.zero.mesh import psum
+
 
 def all_reduce(gs: Sequence[jax.Array], over: tuple[str, ...]) -> list[jax.Array]:
     """Every ``gs`` summed over the ``over`` axes: one all-reduce of them all."""
-    return list(jax.lax.psum(tuple(gs), over)) if over else list(gs)
+    return list(psum(tuple(gs), over))
 
 
 def reduce_scatter(gs: Sequence[jax.Array], dims: Sequence[int], scatter: tuple[str, ...],

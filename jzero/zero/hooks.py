@@ -56,7 +56,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jzero.zero import bits, buckets, dots, modelaxes, remat, zeropp
-from jzero.zero.mesh import DATA_AXES, FSDP, model_spec, on_model_blocks
+from jzero.zero.mesh import DATA_AXES, FSDP, live, model_spec, on_model_blocks
 from jzero.zero.sharding import is_stacked
 
 
@@ -176,7 +176,7 @@ def hook_kind(stored: NamedSharding, grads: NamedSharding) -> str:
 def vary(x: jax.Array) -> jax.Array:
     """Type ``x`` as varying over every data axis (those it does not vary over yet), so its
     cotangent reaches the hook's backward unreduced (instead of through an automatic psum)."""
-    missing = tuple(a for a in DATA_AXES if a not in jax.typeof(x).manual_axis_type.varying)
+    missing = tuple(a for a in live(DATA_AXES) if a not in jax.typeof(x).manual_axis_type.varying)
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 

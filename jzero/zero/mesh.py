@@ -18,10 +18,12 @@ constraints (`jzero.zero.modelaxes`).
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
@@ -100,12 +102,51 @@ def on_model_blocks(f, spec: P):
 def over_data(f, mesh: Mesh, in_specs: Any, out_specs: Any, **kwargs: Any):
     """``jax.shard_map(f)`` manual over the data axes (`manual_axes`), the specs' model axes left
     to the compiler; and "stage" when a pipeline splits the mesh (outside the pipelined step,
-    which runs the stages by hand: an evaluation reads the stack's blocks where they live)."""
+    which runs the stages by hand: an evaluation reads the stack's blocks where they live).
+    ``f`` itself when those axes are one device (`live`): its rows are the whole batch."""
     auto = frozenset((STAGE,) if mesh.shape.get(STAGE, 1) > 1 else ())
+    axes = manual_axes(mesh) - auto
+    if math.prod(mesh.shape[a] for a in axes) == 1:
+        return functools.partial(_on_mesh, f, mesh)
     strip = functools.partial(jax.tree.map, lambda s: keeping(data_spec(s), lambda a: a not in auto),
                               is_leaf=lambda x: isinstance(x, P))
-    return jax.shard_map(f, mesh=mesh, in_specs=strip(in_specs), out_specs=strip(out_specs),
-                         axis_names=manual_axes(mesh) - auto, **kwargs)
+    return jax.shard_map(f, mesh=mesh, in_specs=strip(in_specs), out_specs=strip(out_specs), axis_names=axes,
+                         **kwargs)
+
+
+def _on_mesh(f, mesh: Mesh, *args: Any) -> Any:
+    """``f(*args)`` traced with ``mesh`` as the context mesh (the model axes' constraints name it)."""
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        return f(*args)
+
+
+def live(axes: tuple[str, ...]) -> tuple[str, ...]:
+    """``axes`` where this trace runs a collective over them by hand; none where its manual axes
+    span one device (or it has none), so the collective is not emitted. JAX lowers a
+    ``shard_map`` whose manual axes all have size 1 without a manual region, and a collective
+    left in it (over groups of one device) is then a cross-partition collective in automatic
+    partitioning, which XLA's partitioner refuses once another axis splits the model
+    (docs/design.md, "Data-parallel size 1"). `over_data` runs such a region as plain code."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return tuple(axes) if math.prod(mesh.shape[a] for a in mesh.manual_axes) > 1 else ()
+
+
+def psum(x: Any, axes: tuple[str, ...]) -> Any:
+    """``lax.psum`` over the `live` ``axes`` (``x`` when none)."""
+    axes = live(axes)
+    return jax.lax.psum(x, axes) if axes else x
+
+
+def pmean(x: Any, axes: tuple[str, ...]) -> Any:
+    """``lax.pmean`` over the `live` ``axes`` (``x`` when none)."""
+    axes = live(axes)
+    return jax.lax.pmean(x, axes) if axes else x
+
+
+def axis_index(axes: tuple[str, ...]) -> jax.Array:
+    """This device's index over the `live` ``axes`` (0 when none)."""
+    axes = live(axes)
+    return jax.lax.axis_index(axes) if axes else jnp.int32(0)
 
 
 def fsdp_size(config: Config, num_devices: int) -> int:

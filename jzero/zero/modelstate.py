@@ -27,6 +27,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jzero.zero.mesh import live
+
 
 class Variables(NamedTuple):
     """What a stateful ``init_fn`` returns: the trained ``params`` and the model ``state``."""
@@ -43,6 +45,10 @@ def is_stateful(init_output: Any) -> bool:
 def synchronized(state: Any, axes: tuple[str, ...]) -> Any:
     """``state`` made equal on every device of ``axes``: floating leaves averaged, others the
     largest value (inside a ``shard_map`` over ``axes``)."""
+    axes = live(axes)
+    if not axes:
+        return state
+
     def one(x: jax.Array) -> jax.Array:
         if jnp.issubdtype(x.dtype, jnp.floating):
             return jax.lax.pmean(x, axes)

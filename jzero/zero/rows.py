@@ -16,6 +16,8 @@ from collections.abc import Iterator
 import jax
 import jax.numpy as jnp
 
+from jzero.zero.mesh import axis_index, live
+
 _AXES: contextvars.ContextVar[tuple[str, ...] | None] = contextvars.ContextVar("jzero_rows", default=None)
 
 
@@ -31,11 +33,11 @@ def split_over(axes: tuple[str, ...]) -> Iterator[None]:
 
 def gather_rows(x: jax.Array) -> jax.Array:
     """``x`` (leading dim = this device's rows) for every row of the global batch, in order."""
-    axes = _AXES.get()
-    return x if axes is None else jax.lax.all_gather(x, axes, axis=0, tiled=True)
+    axes = live(_AXES.get() or ())
+    return jax.lax.all_gather(x, axes, axis=0, tiled=True) if axes else x
 
 
 def row_offset(local_rows: int) -> jax.Array:
     """Index of this device's first row in `gather_rows`' order (0 outside the step)."""
     axes = _AXES.get()
-    return jnp.int32(0) if axes is None else jax.lax.axis_index(axes) * local_rows
+    return jnp.int32(0) if axes is None else axis_index(axes) * local_rows

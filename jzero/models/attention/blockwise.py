@@ -29,6 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jzero.zero import modelaxes
+
 CHUNK_ELEMENTS = 512 * 512  # scores a scan step computes per (batch, head) at most ...
 STEP_ELEMENTS = 1 << 22  # ... and in all (batch x heads x pairs x bq x bk), at least one pair
 _PAIRS_PER_STEP: contextvars.ContextVar[int | None] = contextvars.ContextVar("jzero_pairs_per_step", default=None)
@@ -326,6 +328,9 @@ def _attend(st: _Static, q, k, v, bias, mask):
 
 def _attend_fwd(st, q, k, v, bias, mask):
     out, lse = _forward(st, q, k, v, bias, mask)
+    # kept on heads, where the backward reads it: left to the partitioner, the copy the backward
+    # saves may take the layout the caller gives the output (tokens, under Ulysses) and move back
+    out = modelaxes.heads(out)
     return out, (q, k, v, bias, mask, out, lse)
 
 
