@@ -13,6 +13,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from jzero.zero import branches
+
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4,
                "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
@@ -29,14 +31,14 @@ class Instruction(NamedTuple):
     result: str  # the result type text, e.g. "f32[8,16]" or a tuple of them
     op: str  # e.g. "all-gather", "dot", "all-reduce-start"
     line: str
-    count: int  # executions per call of ENTRY (loop trip counts multiplied)
+    count: float  # executions per call of ENTRY (loop trip counts multiplied; branches' fractions)
 
 
 class Module(NamedTuple):
     """A parsed HLO module: each computation's instruction lines and how often it runs."""
 
     lines: dict[str, list[str]]  # computation -> instruction lines
-    counts: dict[str, int]  # computation -> executions per call of ENTRY
+    counts: dict[str, float]  # computation -> executions per call of ENTRY
     defs: dict[str, str]  # instruction name -> its line
 
     def instructions(self) -> Iterator[Instruction]:
@@ -89,9 +91,10 @@ def _computations(text: str) -> tuple[dict[str, list[str]], str | None]:
     return instructions, entry
 
 
-def _execution_counts(instructions: dict[str, list[str]], entry: str | None) -> dict[str, int]:
-    """How many times each computation runs per call of ENTRY (while bodies x trip count)."""
-    calls: dict[str, list[tuple[str, int]]] = defaultdict(list)
+def _execution_counts(instructions: dict[str, list[str]], entry: str | None) -> dict[str, float]:
+    """How many times each computation runs per call of ENTRY (while bodies x trip count; a
+    conditional's branches x the fractions its scope says, `jzero.zero.branches`, else each in full)."""
+    calls: dict[str, list[tuple[str, float]]] = defaultdict(list)
     for comp, lines in instructions.items():
         for line in lines:
             trip = 1
@@ -99,11 +102,13 @@ def _execution_counts(instructions: dict[str, list[str]], entry: str | None) -> 
                 t = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
                 trip = int(t.group(1)) if t else 1
             for group in _CALLEE.findall(line):
-                for callee in group.split(","):
-                    calls[comp].append((callee.strip().lstrip("%"), trip))
-    counts: dict[str, int] = defaultdict(int)
+                callees = [c.strip().lstrip("%") for c in group.split(",")]
+                shares = _branch_shares(line, len(callees)) if " conditional(" in line else None
+                for i, callee in enumerate(callees):
+                    calls[comp].append((callee, trip if shares is None else shares[i]))
+    counts: dict[str, float] = defaultdict(float)
 
-    def visit(comp: str, times: int) -> None:
+    def visit(comp: str, times: float) -> None:
         counts[comp] += times
         for callee, trip in calls.get(comp, ()):
             visit(callee, times * trip)
@@ -111,6 +116,11 @@ def _execution_counts(instructions: dict[str, list[str]], entry: str | None) -> 
     if entry is not None:
         visit(entry, 1)
     return counts
+
+
+def _branch_shares(line: str, n: int) -> tuple[float, ...] | None:
+    name = re.search(r'op_name="([^"]*)"', line)
+    return None if name is None else branches.fractions(name.group(1), n)
 
 
 def _requested_dtype(line: str, defs: dict[str, str], instructions: dict[str, list[str]]) -> str | None:

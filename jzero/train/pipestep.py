@@ -31,7 +31,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jzero.train import collectives
-from jzero.zero import groups, modelaxes, pipeline, precision
+from jzero.zero import branches, groups, modelaxes, pipeline, precision
 from jzero.zero.mesh import DATA_AXES, STAGE, data_parallel_size, keeping, manual_axes
 
 _constrain = jax.lax.with_sharding_constraint
@@ -68,6 +68,7 @@ def pipelined_grads(state: Any, stored: Any, batch: Any, scale: Any) -> tuple[ja
     m, v = cfg.gradient_accumulation_steps, cfg.pipeline.repeats
     count = m * data_parallel_size(plan.mesh)
     fp16 = precision.loss_scaler(cfg) is not None
+    tied = precision.policy(cfg).compute_dtype if fp16 else jnp.float32
     stack_specs = jax.tree.map(lambda s: chunked(gathered(s.spec)), plan.compute[cut.stack])
     ends_specs = {k: jax.tree.map(lambda s: gathered(s.spec), v) for k, v in plan.compute.items() if k != cut.stack}
     def on_mesh(specs):
@@ -87,7 +88,10 @@ def pipelined_grads(state: Any, stored: Any, batch: Any, scale: Any) -> tuple[ja
         scale = scale if fp16 else scale / count
         with modelaxes.active(collectives.model_axes(cfg)):
             loss, g_stack, g_ends = _schedule(state, stack, ends, rows, scale)
-        grads = {**jax.lax.psum(g_ends, STAGE), cut.stack: g_stack}
+        # fp16: summed as fp16, so a tied embedding's halves overflow where the plain step's
+        # fp16 gradient of the one tied weight does (and DeepSpeed's fp16 tied all-reduce)
+        ends_sum = jax.tree.map(lambda g: jax.lax.psum(g.astype(tied), STAGE).astype(jnp.float32), g_ends)
+        grads = {**ends_sum, cut.stack: g_stack}
         grads = jax.tree.map(lambda g, layout, f: collectives.reduce_once(g * (1 - f), layout, False, on_wire),
                              grads, layouts, frozen)
         grads = jax.tree.map(lambda g: g / count, grads) if fp16 else grads
@@ -102,17 +106,19 @@ def pipelined_grads(state: Any, stored: Any, batch: Any, scale: Any) -> tuple[ja
     return loss, {**grads, cut.stack: blocks}
 
 
-def _chunk_fns(cut: Any, compute: Any, scale: Any) -> tuple[Any, Any]:
+def _chunk_fns(cut: Any, compute: Any, scale: Any, last_scope: str) -> tuple[Any, Any]:
     """A chunk's forward (the first virtual stage embeds) and what its backward differentiates:
-    the last virtual stage's scaled loss, any other's <output, the gradient sent back>."""
+    the last virtual stage's scaled loss, any other's <output, the gradient sent back>; the
+    head's ``cond`` under ``last_scope`` (`jzero.zero.branches`: how often it runs)."""
     def forward(chunk, ends, x, mb, first):
         chunk, ends = precision.cast_floating((chunk, ends), compute)
         return cut.layers(chunk, jnp.where(first, cut.embed(ends, mb), x))
 
     def objective(chunk, ends, x, mb, ct, first, last):
         y = forward(chunk, ends, x, mb, first)
-        loss = jax.lax.cond(last, lambda: cut.head(precision.cast_floating(ends, compute), y, mb).astype(jnp.float32),
-                            lambda: jnp.zeros((), jnp.float32))
+        with jax.named_scope(last_scope):
+            loss = jax.lax.cond(last, lambda: cut.head(precision.cast_floating(ends, compute), y, mb).astype(
+                jnp.float32), lambda: jnp.zeros((), jnp.float32))
         inner = jnp.sum(y.astype(jnp.float32) * ct.astype(jnp.float32))
         return jnp.where(last, loss * scale, inner), loss
 
@@ -129,7 +135,8 @@ def _schedule(state: Any, stack: Any, ends: Any, rows: Any, scale: Any) -> tuple
     micro = jax.tree.map(lambda x: x.reshape(m, x.shape[0] // m, *x.shape[1:]), rows)
     slots = pipeline.stash_size(p, m, v)
 
-    forward, objective = _chunk_fns(cut, compute, scale)
+    on_tick, on_last = (branches.scope(f) for f in pipeline.branch_fractions(p, m, v))
+    forward, objective = _chunk_fns(cut, compute, scale, on_last)
     shape = jax.eval_shape(lambda e, mb: cut.embed(precision.cast_floating(e, compute), mb), ends,
                            jax.tree.map(lambda x: x[0], micro))
     zeros_x = jnp.zeros(shape.shape, shape.dtype)
@@ -148,7 +155,9 @@ def _schedule(state: Any, stack: Any, ends: Any, rows: Any, scale: Any) -> tuple
             return zeros_x, jax.tree.map(lambda x: x[0], zero_grads[0]), zero_grads[1], jnp.zeros((), jnp.float32)
 
         def run_forward():
-            return jax.lax.cond(last, lambda: zeros_x, lambda: forward(chunk, ends, recv, mb, first)), *idle()[1:]
+            with jax.named_scope(on_last):
+                sent = jax.lax.cond(last, lambda: zeros_x, lambda: forward(chunk, ends, recv, mb, first))
+            return sent, *idle()[1:]
 
         def run_backward():
             (_, loss), (g_chunk, g_ends, g_x) = jax.value_and_grad(objective, argnums=(0, 1, 2), has_aux=True)(
@@ -157,7 +166,8 @@ def _schedule(state: Any, stack: Any, ends: Any, rows: Any, scale: Any) -> tuple
 
         # Only what a tick produces leaves the switch: the stash and the accumulators are
         # updated in place outside it (inside, each branch would return a copy of them).
-        send, g_chunk, g_ends, loss = jax.lax.switch(op, [idle, run_forward, run_backward])
+        with jax.named_scope(on_tick):
+            send, g_chunk, g_ends, loss = jax.lax.switch(op, [idle, run_forward, run_backward])
         stash = stash.at[key].set(jnp.where(op == pipeline.FORWARD, recv, kept))
         acc = (jax.tree.map(lambda a, g: a.at[r].add(g), acc[0], g_chunk), jax.tree.map(jnp.add, acc[1], g_ends))
         return stash, jax.lax.ppermute(send, STAGE, perm), acc, loss_sum + loss

@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 from jzero.train import collectives, pipestep
 from jzero.train.state import TrainState
 from jzero.zero import buckets, fused, groups, hooks, modelaxes, modelstate, optim, phase, precision, treepath
-from jzero.zero.mesh import DATA_AXES, axis_index, data_parallel_size, over_data, pmean, psum
+from jzero.zero.mesh import DATA_AXES, STAGE, axis_index, data_parallel_size, over_data, pmean, psum
 from jzero.zero.rows import split_over
 from jzero.zero.sharding import ZERO_RULES
 
@@ -57,9 +57,10 @@ def train_step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax
         # DeepSpeed folds clipping into unscaling: clip = (norm + 1e-6) / max_norm, applied if > 1.
         clip = (grad_norm + 1e-6) / cfg.gradient_clipping
         divisor = jnp.where(clip > 1, clip * scale, scale)
-    # An fp16 overflow anywhere (the norm is not finite) skips the step on every device: params
-    # and optimizer state (and so the LR schedule's count) stay bit-identical.
-    overflow = ~jnp.isfinite(scaled_norm) if scaler is not None else jnp.bool_(False)
+    # An fp16 overflow anywhere (the norm is not finite, or the step's gradient does not fit fp16)
+    # skips the step on every device: params and optimizer state (and so the LR schedule's count)
+    # stay bit-identical.
+    overflow = overflowed(scaled_norm, grads, cfg.gradient_accumulation_steps) if scaler else jnp.bool_(False)
     with jax.named_scope("optimizer"):
         if plan.offload is None:
             params, opt_state = _apply_update(state, grads, divisor, overflow)
@@ -82,6 +83,17 @@ def train_step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax
         metrics["aux"] = aux
     return state.replace(step=state.step + 1, params=params, opt_state=opt_state, loss_scale=loss_scale,
                          model_state=model_state), metrics
+
+
+def overflowed(scaled_norm: jax.Array, grads: Any, accumulation: int) -> jax.Array:
+    """DeepSpeed's fp16 overflow: an inf or nan in any fp16 gradient. Each micro-batch's backward
+    runs in fp16 (an overflow there makes ``scaled_norm`` inf); DeepSpeed also holds the step's
+    gradient, summed over the micro-batches (averaged over the devices), as fp16 ``.grad``, which
+    overflows where a sum of finite micro-batch gradients leaves fp16's range. jzero accumulates
+    in fp32, so that sum, ``grads`` (the mean over micro-batches and devices) x ``accumulation``,
+    is checked as fp16 here. The pipelined step (`jzero.train.pipestep`) holds the same sum."""
+    too_big = [jnp.any(~jnp.isfinite((g * accumulation).astype(jnp.float16))) for g in jax.tree.leaves(grads)]
+    return ~jnp.isfinite(scaled_norm) | jnp.any(jnp.stack(too_big))
 
 
 def global_norm(grads: Any) -> jax.Array:
@@ -330,8 +342,14 @@ def _check_batch(batch: Any, expected: int) -> None:
 def eval_step(state: TrainState, batch: Any) -> jax.Array:
     """The loss of ``state.params`` on ``batch`` (compute dtype, no gradient, no update, layers
     in evaluation: `jzero.zero.phase`, reading the carried model state): each device's rows
-    under the step's ``shard_map``, averaged over devices."""
-    plan, hooked = state.plan, _hooked(state)
+    under the step's ``shard_map``, averaged over devices. Under a pipeline the stages' blocks
+    are read where they live by the compiler's own partitioning of the whole forward (no manual
+    axes: XLA's partitioner aborts on a gather in a region manual over the data axes between the
+    automatic "stage" and tensor axes; docs/design.md, "Pipeline parallelism")."""
+    plan = state.plan
+    _check_rows(batch, data_parallel_size(plan.mesh))
+    pipelined = plan.mesh.shape[STAGE] > 1
+    hooked = None if pipelined else _hooked(state)
 
     def local(stored, targets, rows, model_state):
         params = stored if hooked is None else targets  # what _local_loss reads at this stage
@@ -340,5 +358,14 @@ def eval_step(state: TrainState, batch: Any) -> jax.Array:
         return pmean(loss, DATA_AXES)
 
     specs = jax.tree.map(lambda s: s.spec, (plan.compute, plan.grads))
-    return over_data(local, plan.mesh, in_specs=(*specs, P(DATA_AXES), P()), out_specs=P())(
+    batch = _constrain(batch, jax.tree.map(lambda _: plan.batch, batch))
+    return over_data(local, plan.mesh, in_specs=(*specs, P(DATA_AXES), P()), out_specs=P(), plain=pipelined)(
         _compute_params(state), _targets(state), batch, state.model_state)
+
+
+def _check_rows(batch: Any, devices: int) -> None:
+    """One line naming the leaf whose rows do not split evenly over the data-parallel devices."""
+    for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        if x.ndim == 0 or x.shape[0] % devices:
+            raise ValueError(f"batch{jax.tree_util.keystr(path)}: leading dimension must be a multiple of the "
+                             f"data-parallel size {devices}, got shape {tuple(x.shape)}")

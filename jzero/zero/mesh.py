@@ -99,14 +99,15 @@ def on_model_blocks(f, spec: P):
     return jax.shard_map(f, in_specs=spec, out_specs=spec, axis_names=frozenset(MODEL_AXES))
 
 
-def over_data(f, mesh: Mesh, in_specs: Any, out_specs: Any, **kwargs: Any):
+def over_data(f, mesh: Mesh, in_specs: Any, out_specs: Any, plain: bool = False, **kwargs: Any):
     """``jax.shard_map(f)`` manual over the data axes (`manual_axes`), the specs' model axes left
     to the compiler; and "stage" when a pipeline splits the mesh (outside the pipelined step,
     which runs the stages by hand: an evaluation reads the stack's blocks where they live).
-    ``f`` itself when those axes are one device (`live`): its rows are the whole batch."""
+    ``f`` itself when those axes are one device (`live`), or asked to (``plain``): its rows are
+    then the whole batch, partitioned by the compiler."""
     auto = frozenset((STAGE,) if mesh.shape.get(STAGE, 1) > 1 else ())
     axes = manual_axes(mesh) - auto
-    if math.prod(mesh.shape[a] for a in axes) == 1:
+    if plain or math.prod(mesh.shape[a] for a in axes) == 1:
         return functools.partial(_on_mesh, f, mesh)
     strip = functools.partial(jax.tree.map, lambda s: keeping(data_spec(s), lambda a: a not in auto),
                               is_leaf=lambda x: isinstance(x, P))

@@ -181,6 +181,17 @@ def idle_fraction(stages: int, micro_batches: int, repeats: int = 1) -> float:
     return sum(op == IDLE for row in rows for op, _, _ in row) / (len(rows) * stages)
 
 
+def branch_fractions(stages: int, micro_batches: int, repeats: int = 1) -> tuple[tuple[float, ...],
+                                                                               tuple[float, ...]]:
+    """How often, averaged over the stages, a tick runs each op (idle, forward, backward: every
+    stage runs each of its m x v forwards and backwards once), and how often a forward or backward
+    is the last virtual stage's (not last, last: ``lax.cond``'s branch order), which alone runs the
+    head and skips the forward; for `jzero.zero.branches`."""
+    t, work = ticks(stages, micro_batches, repeats), micro_batches * repeats
+    last = 1 / (stages * repeats)
+    return ((t - 2 * work) / t, work / t, work / t), (1 - last, last)
+
+
 def forward_index(micro: Any, repeat: Any, stages: int, repeats: int = 1) -> Any:
     """The place of (micro-batch, repeat) in a stage's forward order."""
     q = group(stages, repeats)
