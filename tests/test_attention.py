@@ -91,6 +91,30 @@ def test_a_fully_masked_row_gives_zero_and_no_gradient():
     assert np.all(np.asarray(grads[3])[:, :, 3] == 0)  # dbias of that row
 
 
+@pytest.mark.parametrize("impl", ["naive", "blockwise", "auto"])
+def test_a_row_biased_to_minus_infinity_gives_zero_and_no_gradient(impl):
+    """A bias of -inf over a whole query row is a row that sees no key: 0 and no gradient, as a
+    masked row (the naive path gave NaN on 36819f1); a partly -inf row is a padding mask."""
+    q, k, v, _ = _inputs(16, 16)
+    bias = np.zeros((1, H, 16, 16), np.float32)
+    bias[..., 3, :] = -np.inf
+    bias[..., 5, :6] = -np.inf
+    mask = np.ones((1, 1, 16, 16), bool)
+    mask[..., 3, :], mask[..., 5, :6] = False, False
+    out, grads = _value_and_grads(impl, q, k, v, jnp.asarray(bias), block_q=4, block_k=4)
+    masked, masked_grads = _value_and_grads("naive", q, k, v, None, mask=mask)
+    assert np.all(np.asarray(out)[:, 3] == 0) and np.all(np.asarray(grads[0])[:, 3] == 0)
+    assert np.isfinite(np.asarray(grads[3])).all()  # the bias's own gradient: 0 where it is -inf
+    _assert_close(out, masked, 1e-5, 1e-5)
+    _assert_close(grads[:3], masked_grads, 1e-5, 1e-5)
+
+
+@pytest.mark.parametrize("impl", ["naive", "blockwise"])
+def test_the_output_takes_qs_dtype(impl):
+    q, k, v, _ = _inputs(16, 16)
+    assert attn.attention(q.astype(jnp.bfloat16), k, v, implementation=impl, block_q=4, block_k=4).dtype == jnp.bfloat16
+
+
 def test_a_wrong_online_rescale_fails(monkeypatch):
     """Negative control: without the rescale of earlier blocks when the running max rises, the
     comparison above must fail (several key blocks per row, each chunk one pair)."""

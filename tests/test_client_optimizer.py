@@ -23,6 +23,8 @@ CLIENTS = {
     # Factored second moments (min_dim_size_to_factor 8): v_row and v_col are not shaped like
     # their params, so they stay replicated while v of the unfactored leaves is sharded.
     "adafactor": lambda: optax.adafactor(10 * LR, min_dim_size_to_factor=8),
+    # not a GradientTransformation itself: what Flax users pass for accumulation in the optimizer
+    "multisteps": lambda: optax.MultiSteps(optax.adamw(LR, eps=EPS, weight_decay=WD), every_k_schedule=2),
     "chain": lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.scale_by_adam(eps=EPS),
                                  optax.add_decayed_weights(WD, mask=MASK), optax.scale(-LR)),
 }
@@ -113,7 +115,7 @@ def test_fp16_clipping_accumulation_and_offload_work_with_a_client_optimizer():
 @pytest.mark.parametrize("extra,tx,message", [
     ({"optimizer": {"type": "AdamW"}}, optax.adamw(1e-3), "optimizer: the config has one and a client optimizer"),
     ({"scheduler": {"type": "WarmupLR"}}, optax.adamw(1e-3), "scheduler: the config has one and a client optimizer"),
-    ({}, "adamw", "tx: expected an optax.GradientTransformation, got str"),
+    ({}, "adamw", r"tx: expected an optax.GradientTransformation \(or optax.MultiSteps\), got str"),
 ])
 def test_two_optimizers_or_not_an_optimizer_is_one_clear_error(extra, tx, message):
     make_fns, _ = MODELS["mlp"]

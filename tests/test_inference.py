@@ -268,3 +268,10 @@ def test_jzero_generate_streams_the_engines_tokens(tmp_path, capsys):
     assert capsys.readouterr().out == (b"def " + bytes(np.asarray(want, np.uint8))).decode("utf-8", "replace") + "\n"
     assert main([*args, "--max-tokens", "0"]) == 2
     assert capsys.readouterr().err == "jzero: error: --max-tokens: must be an integer >= 1, got 0\n"
+    # where the engine runs is not how training split its batch (8 rows do not split over 3)
+    assert main([*args, "--max-tokens", "12", "--devices", "3"]) == 0
+    assert capsys.readouterr().out.startswith("def ")
+    for flag, value, message in (("--stop", "999", "--stop: 999 is outside the vocabulary 0..255"),
+                                 ("--int8-block", "7", "--int8-block: 7 quantizes no weight")):
+        assert main([*args, "--max-tokens", "4", flag, value]) == 2
+        assert capsys.readouterr().err.startswith(f"jzero: error: {message}")

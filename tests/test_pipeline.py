@@ -297,3 +297,25 @@ def test_estimate_plans_gpt3_175b_in_3d():
     x_gib = 2048 * 12288 * 2 / 8 / 2**30  # a device's share of a micro-batch's activations (bf16, Megatron-SP)
     assert row["between_stages_gib"] == pytest.approx(pipeline.ticks(8, 96) * x_gib)  # one a tick
     assert row["peak_gib"] < 80e9 / 2**30
+
+
+def test_profile_counts_each_micro_batchs_work_once():
+    """FLOPs read from the compiled pipelined step weight each branch of the schedule's switch by
+    how often it runs (`jzero.zero.branches`). On 36819f1 every branch counted at every tick: 3.9x
+    the FLOPs. What remains over the same tokens without a pipeline is work the schedule does run:
+    a stage recomputes its stored input's forward before each backward, one forward more than
+    the plain step's 4 (full remat: forward, recompute, backward x 2), except on the last stage."""
+    from jzero.analysis import estimate, profile
+
+    def scopes(pp, micro):
+        cfg = jzero.load_config({
+            "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 2, "pipeline": {"stages": pp},
+            "zero_optimization": {"stage": 1}, "jzero": {"mesh": {"devices": 4}, "remat": "full", "model": {
+                "name": "gpt", "n_layers": 4, "n_heads": 4, "d_model": 64, "d_ff": 256, "seq_len": 64,
+                "vocab_size": 128}}})
+        return profile.matmul_flops_by_scope(estimate.compile_step(cfg).compiled)  # per device, 4 devices each
+
+    plain, piped = scopes(1, 4), scopes(2, 8)  # the same 64 rows a step
+    extra = 1 + (1 - 1 / 2) / 4
+    for scope in ("attention", "mlp"):
+        assert piped[scope] / plain[scope] == pytest.approx(extra, rel=0.05), (scope, piped, plain)

@@ -28,7 +28,7 @@ from jzero.train.resolve import check_zero
 from jzero.train.state import TrainState, abstract_init
 from jzero.train.step import train_step
 from jzero.zero import pipeline, precision
-from jzero.zero.mesh import DATA_AXES, EXPERT, FSDP, MODEL_AXES, STAGE, TENSOR, keeping, make_mesh
+from jzero.zero.mesh import DATA_AXES, EXPERT, FSDP, MODEL_AXES, STAGE, TENSOR, data_parallel_size, keeping, make_mesh
 from jzero.zero.sharding import ZERO_RULES, is_expert, is_stacked
 
 GiB = 2**30
@@ -279,4 +279,6 @@ def _analytic(state: TrainState) -> profile.Analytic:
     parts = [profile.analytic(n, cfg.zero_optimization.stage, group, largest_layer_params=layer,
                               accumulation=cfg.gradient_accumulation_steps, offload=state.plan.offload is not None)
              for n, group in ((dense, mesh.shape[FSDP] * mesh.shape[EXPERT]), (expert, mesh.shape[FSDP])) if n]
-    return functools.reduce(operator.add, parts)
+    total = functools.reduce(operator.add, parts)
+    # one data device (the model axes fill the mesh): ZeRO's formulas move nothing
+    return total if data_parallel_size(mesh) > 1 else dataclasses.replace(total, comm_elements=0.0)

@@ -47,11 +47,11 @@ def engine_from(args: argparse.Namespace, slots: int | None = None) -> tuple:
     raw = config_on_devices(args)
     import jax.numpy as jnp
 
-    from jzero.inference import engine
+    from jzero.inference import engine, storage
     from jzero.runtime.weights import read_params
     from jzero.train.resolve import load_config
 
-    config = load_config(raw)
+    config = load_config(raw, dp_size=_trained_dp(raw))
     try:
         params = read_params(args.checkpoint)
     except FileNotFoundError as e:
@@ -59,6 +59,9 @@ def engine_from(args: argparse.Namespace, slots: int | None = None) -> tuple:
     dtype = {"fp32": jnp.float32, "bf16": jnp.bfloat16}[args.dtype]
     if args.int8_block < 0:
         raise UsageError(f"--int8-block: must be >= 0 (0: unquantized), got {args.int8_block}")
+    if args.int8_block and not storage.quantizable(params, args.int8_block):
+        raise UsageError(f"--int8-block: {args.int8_block} quantizes no weight (none has a last dimension that "
+                         "splits into blocks of it); try a divisor of the model's width, e.g. 32")
     devices = args.devices or 1
     try:
         return config, engine.for_config(config, params, f"--checkpoint {args.checkpoint}", slots=slots or devices,
@@ -66,6 +69,16 @@ def engine_from(args: argparse.Namespace, slots: int | None = None) -> tuple:
                                          int8_block=args.int8_block)
     except ValueError as e:  # the engine's settings: --slots, --devices
         raise UsageError(str(e)) from None
+
+
+def _trained_dp(raw: dict) -> int:
+    """A data-parallel size the config's batch keys hold for: the config is read for its model and
+    precision, and ``--devices`` says where the engine runs, not how training split its batch."""
+    train, micro = raw.get("train_batch_size"), raw.get("train_micro_batch_size_per_gpu")
+    accum = raw.get("gradient_accumulation_steps") or 1
+    if isinstance(train, int) and isinstance(micro, int) and isinstance(accum, int) and micro * accum > 0:
+        return max(1, train // (micro * accum))
+    return 1
 
 
 def prompt_tokens(vocab_size: int, text: str | None, ids: list[int] | None) -> list[int]:
@@ -90,6 +103,8 @@ def run(args: argparse.Namespace) -> int:
 
     _, eng = engine_from(args)
     tokens = prompt_tokens(eng.decoder.vocab_size, args.prompt, args.prompt_ids)
+    if args.stop is not None and not 0 <= args.stop < eng.decoder.vocab_size:
+        raise UsageError(f"--stop: {args.stop} is outside the vocabulary 0..{eng.decoder.vocab_size - 1}")
     try:
         request = Request(tokens, args.max_tokens, sampling.SamplingParams(args.temperature, args.top_k, args.top_p),
                           seed=args.seed, stop=args.stop).checked(eng.decoder.max_len)

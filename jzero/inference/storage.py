@@ -49,12 +49,20 @@ def quantized(params: Any, block: int) -> Any:
     """``params`` with every weight that fits (module docstring) as `Int8`; a stacked leaf's
     leading layer dim does not count (a layer's LayerNorm scale ``[layers, d]`` stays as it is)."""
     def one(path, x):
-        dims = x.ndim - any(treepath.key_name(k) == STACKED_KEY for k in path)
-        if dims < 2 or not jnp.issubdtype(x.dtype, jnp.floating) or x.shape[-1] % block:
-            return x
-        return Int8(*quantize.quantize(x, block, leading=x.ndim - 1))
+        return Int8(*quantize.quantize(x, block, leading=x.ndim - 1)) if _fits(path, x, block) else x
 
     return jax.tree_util.tree_map_with_path(one, params)
+
+
+def quantizable(params: Any, block: int) -> list[str]:
+    """The names of the weights `quantized` turns into int8 blocks of ``block``."""
+    found = jax.tree_util.tree_flatten_with_path(params)[0]
+    return [treepath.SEP.join(map(treepath.key_name, path)) for path, x in found if _fits(path, x, block)]
+
+
+def _fits(path: tuple, x: Any, block: int) -> bool:
+    dims = x.ndim - any(treepath.key_name(k) == STACKED_KEY for k in path)
+    return dims >= 2 and jnp.issubdtype(x.dtype, jnp.floating) and x.shape[-1] % block == 0
 
 
 def dequantized(params: Any, dtype: Any) -> Any:

@@ -170,12 +170,25 @@ class _Prepared(NamedTuple):
     plan: sharding.Plan
 
 
+def _check_floating(params_shape: Any) -> None:
+    """One line naming the first integer or boolean leaf of the params: it has no gradient and no
+    optimizer state, and ZeRO's gathers move params in the compute dtype, so jzero trains only
+    floating-point params and says where such a leaf belongs instead of failing inside the step."""
+    for name, leaf in treepath.named_leaves(params_shape).items():
+        if not jnp.issubdtype(leaf.dtype, jnp.floating):
+            raise ConfigError(f"params: '{name}' is {leaf.dtype}{list(leaf.shape)}; only floating-point params "
+                              "are trained: keep integer and boolean arrays out of them, as model state (a Linen "
+                              "collection other than 'params', an NNX Variable that is not a Param) or constants of "
+                              "loss_fn")
+
+
 def _prepare(init_fn, config, rng, mesh, model_specs, tx, stages) -> _Prepared:
     """Resolve the config for the mesh, build the optimizer (or take the client's ``tx``) and
     the Plan from params' shapes."""
     mesh = mesh if mesh is not None else make_mesh(config)
     config = config.for_dp(data_parallel_size(mesh))
     if tx is not None:
+        tx = optim.transformation(tx)
         config = optim.client(config, tx)
     key = jax.random.key(rng) if isinstance(rng, int) else rng
     pol = precision.policy(config)
@@ -196,6 +209,7 @@ def _prepare(init_fn, config, rng, mesh, model_specs, tx, stages) -> _Prepared:
     params_shape = jax.eval_shape(make_params, key)
     if not jax.tree.leaves(params_shape):
         raise ConfigError("init_fn returned no parameters (an empty pytree)")
+    _check_floating(params_shape)
     config = resolve_auto_sizes(config, params_shape)
     tx = optim.build(config).tx if tx is None else groups.wrap(config, lambda _: tx)  # frozen leaves kept
     model_specs = autotp.model_specs(config, params_shape) if model_specs is None else model_specs

@@ -23,21 +23,22 @@ leaf replicated; a user's rule says so as an error naming it.
 from __future__ import annotations
 
 import re
+import warnings
 from typing import Any, NamedTuple
 
 import jax
 from jax.sharding import PartitionSpec as P
 
-from jzero.config import Config, ConfigError, TPLayerSpec
+from jzero.config import Config, ConfigError, ConfigWarning, TPLayerSpec
 from jzero.zero import treepath
 from jzero.zero.mesh import TENSOR
 from jzero.zero.sharding import is_stacked
 
 # The reference models' names (jzero.models.gpt / vit / clip) and the HF / Megatron names AutoTP's
 # presets split: attention's input projections and the MLP's first are column, their outputs row.
-_COLUMN = r"(^|/)(qkv|fc|head|q_proj|k_proj|v_proj|query|key|value|gate_proj|up_proj|c_attn|c_fc|wi|wi_0|wi_1|"\
+_COLUMN = r"(^|/)(qkv|fc|up|head|q_proj|k_proj|v_proj|query|key|value|gate_proj|up_proj|c_attn|c_fc|wi|wi_0|wi_1|"\
           r"query_key_value|dense_h_to_4h|lm_head)/(kernel|bias)$"
-_ROW = r"(^|/)(proj|out|o_proj|out_proj|down_proj|c_proj|wo|dense_4h_to_h)/kernel$"
+_ROW = r"(^|/)(proj|out|down|o_proj|out_proj|down_proj|c_proj|wo|dense_4h_to_h)/kernel$"
 _VOCAB = r"(^|/)(wte|embed_tokens|word_embeddings)/embedding$"
 DEFAULT_SPECS = (TPLayerSpec((_COLUMN,), "column"), TPLayerSpec((_ROW, _VOCAB), "row"))
 
@@ -95,14 +96,20 @@ def leaf_spec(name: str, shape: tuple[int, ...], stacked: bool, tp: int, table: 
 
 
 def model_specs(config: Config, params_shape: Any) -> Any | None:
-    """The tree of tensor-parallel specs of ``params_shape`` (None without tensor parallelism)."""
+    """The tree of tensor-parallel specs of ``params_shape`` (None without tensor parallelism);
+    a warning when the rules split none of its leaves (every device would hold the whole model)."""
     tp = config.tensor_parallel.size
     if tp == 1:
         return None
     table = rules(config)
-    return jax.tree_util.tree_map_with_path(
+    specs = jax.tree_util.tree_map_with_path(
         lambda path, x: leaf_spec(treepath.SEP.join(map(treepath.key_name, path)), tuple(x.shape),
                                   is_stacked(path), tp, table), params_shape)
+    if not split_leaves(specs):
+        warnings.warn(f"tensor_parallel.autotp_size: {tp} splits no param (no leaf name matches a rule, or "
+                      f"{tp} divides no matched dimension): every device holds the whole model; name the model's "
+                      "layers in tensor_parallel.partition_config", ConfigWarning, stacklevel=2)
+    return specs
 
 
 def split_leaves(specs: Any) -> int:

@@ -113,11 +113,18 @@ def learning_rate(opt_state: Any) -> jax.Array | None:
     return next(found, None)
 
 
+def transformation(tx: Any) -> Any:
+    """A client optimizer as a GradientTransformation: ``optax.MultiSteps`` (what Flax users pass
+    for accumulation inside the optimizer) is not one, but gives one."""
+    return tx.gradient_transformation() if isinstance(tx, optax.MultiSteps) else tx
+
+
 def client(cfg: Config, tx: Any) -> Config:
     """``cfg`` for a client optimizer ``tx`` (DeepSpeed's ``optimizer=`` argument): refused beside
     the config's own optimizer or scheduler, as DeepSpeed refuses two optimizers."""
     if not isinstance(tx, optax.GradientTransformation):
-        raise ConfigError(f"tx: expected an optax.GradientTransformation, got {type(tx).__name__}")
+        raise ConfigError(f"tx: expected an optax.GradientTransformation (or optax.MultiSteps), got "
+                          f"{type(tx).__name__}")
     for section in ("optimizer", "scheduler"):
         if section in cfg.source:
             raise ConfigError(f"{section}: the config has one and a client optimizer (tx=) is given; drop the "

@@ -62,8 +62,9 @@ def _allowed(t: int, s: int, mask: jax.Array | None, causal: bool, layout: np.nd
 
 def _naive(q, k, v, bias, mask, causal, layout, **_) -> jax.Array:
     """The whole score matrix in fp32 and ``jax.nn.softmax`` (whose backward needs only its
-    output). Keys a row may not attend score -1e30, not -inf: a row with none gets a finite
-    uniform softmax, and its output is then set to 0 (so it passes no gradient)."""
+    output). Keys a row may not attend (masked, or biased to -inf) score -1e30, not -inf: a row
+    with none gets a finite uniform softmax, and its output is then set to 0 (so it passes no
+    gradient). In q's dtype, as the other implementations."""
     b, t, h, d = q.shape
     s, kv = k.shape[1], k.shape[2]
     k, v = (jnp.repeat(x, h // kv, axis=2) if kv < h else x for x in (k, v))  # grouped-query: kv per head
@@ -71,10 +72,12 @@ def _naive(q, k, v, bias, mask, causal, layout, **_) -> jax.Array:
     if bias is not None:
         scores = scores + bias.astype(jnp.float32)
     ok = _allowed(t, s, mask, causal, layout)
+    if bias is not None:
+        ok = ok & ~jnp.isneginf(scores)
     probs = jax.nn.softmax(jnp.where(ok, scores, -1e30), axis=-1)
     seen = jnp.any(ok, axis=-1, keepdims=True)
     out = jnp.einsum("bhqk,bkhd->bqhd", probs.astype(v.dtype), v)
-    return jnp.where(seen.transpose(0, 2, 1, 3), out, 0).astype(out.dtype)  # on the output: no score-sized copy
+    return jnp.where(seen.transpose(0, 2, 1, 3), out, 0).astype(q.dtype)  # on the output: no score-sized copy
 
 
 def _blockwise(q, k, v, bias, mask, causal, layout, block_q: int = 512, block_k: int = 512, **_) -> jax.Array:
