@@ -109,6 +109,20 @@ def test_a_row_biased_to_minus_infinity_gives_zero_and_no_gradient(impl):
     _assert_close(grads[:3], masked_grads, 1e-5, 1e-5)
 
 
+@pytest.mark.parametrize("fill", [-1e8, float(np.finfo(np.float32).min)])
+def test_a_row_biased_to_a_huge_finite_negative_equals_naive(fill):
+    """Hugging Face's masking adds finfo.min: a whole row of it is a uniform softmax over every
+    key. Blockwise saved m + log(sum) for its backward, which rounds to m at that magnitude: its
+    gradients were S times naive's (found trying jzero as a user)."""
+    q, k, v, key = _inputs(16, 16)
+    bias = np.array(jax.random.normal(key, (1, H, 16, 16)))
+    bias[..., 6, :] = fill
+    ref = _value_and_grads("naive", q, k, v, jnp.asarray(bias))
+    with blockwise.pairs_per_step(8):
+        got = _value_and_grads("blockwise", q, k, v, jnp.asarray(bias), block_q=4, block_k=4)
+    _assert_close(got[:1] + (got[1][:3],), ref[:1] + (ref[1][:3],), 1e-5, 1e-5)
+
+
 @pytest.mark.parametrize("impl", ["naive", "blockwise"])
 def test_the_output_takes_qs_dtype(impl):
     q, k, v, _ = _inputs(16, 16)

@@ -275,3 +275,5 @@ def test_jzero_generate_streams_the_engines_tokens(tmp_path, capsys):
                                  ("--int8-block", "7", "--int8-block: 7 quantizes no weight")):
         assert main([*args, "--max-tokens", "4", flag, value]) == 2
         assert capsys.readouterr().err.startswith(f"jzero: error: {message}")
+    assert main(["serve", str(config), "--checkpoint", str(weights), "--port", "99999"]) == 2
+    assert capsys.readouterr().err == "jzero: error: --port: must be 0..65535 (0: any free port), got 99999\n"

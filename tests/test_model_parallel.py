@@ -499,3 +499,13 @@ def test_misconfiguration_is_one_line_naming_the_key(change, match):
     with pytest.raises(jzero.ConfigError, match=match) as err:
         jzero.load_config(raw)
     assert "\n" not in str(err.value)
+
+
+def test_a_config_for_the_users_own_model_is_not_checked_against_the_reference_gpt():
+    """Without a jzero.model section the config may train the user's own model (jzero.init), so
+    the reference GPT's 4 heads do not bound autotp_size; building the reference model still
+    checks it (found trying jzero as a user)."""
+    cfg = jzero.load_config({"train_batch_size": 8, "tensor_parallel": {"autotp_size": 8}})
+    assert cfg.tensor_parallel.size == 8
+    with pytest.raises(jzero.ConfigError, match=r"^tensor_parallel.autotp_size: 8 does not divide jzero.model.n_heads"):
+        models.build(cfg)

@@ -294,9 +294,12 @@ def test_integer_params_are_refused_at_init_and_train_as_model_state(stage):
     assert state.model_state["perm"].dtype == jnp.int32 and np.isfinite(float(metrics["loss"]))
     np.testing.assert_array_equal(state.model_state["perm"], np.arange(FEATURES)[::-1])
     odd = jax.tree.map(lambda x: x[:12], batches()[0])
-    with pytest.raises(ValueError, match=r"^batch\['inputs'\]: leading dimension must be a multiple of the "
-                                         r"data-parallel size 8, got shape \(12, 8\)"):
+    with pytest.raises(ValueError, match=r"^batch\['inputs'\]: leading dimension must be a positive multiple "
+                                         r"of the data-parallel size 8, got shape \(12, 8\)"):
         jzero.eval_step(state, odd)
+    uneven = {"inputs": batches()[0]["inputs"][:8], "y": batches()[0]["y"][:16]}
+    with pytest.raises(ValueError, match=r"^batch\['y'\]: 16 rows, but batch\['inputs'\] has 8"):
+        jzero.eval_step(state, uneven)
 
 
 def test_a_linen_model_without_a_mode_argument_is_one_clear_error():

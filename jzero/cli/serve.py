@@ -25,10 +25,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    for flag in ("port", "slots", "max_tokens_limit", "max_body_bytes"):
-        if getattr(args, flag) < (0 if flag == "port" else 1):
-            raise UsageError(f"--{flag.replace('_', '-')}: must be {'>= 0' if flag == 'port' else '>= 1'}, "
-                             f"got {getattr(args, flag)}")
+    for flag in ("slots", "max_tokens_limit", "max_body_bytes"):
+        if getattr(args, flag) < 1:
+            raise UsageError(f"--{flag.replace('_', '-')}: must be >= 1, got {getattr(args, flag)}")
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port: must be 0..65535 (0: any free port), got {args.port}")
     try:
         from jzero.runtime import server
     except ModuleNotFoundError as e:

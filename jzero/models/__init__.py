@@ -19,20 +19,32 @@ MODELS: dict[str, Callable[[Config], Model]] = {"gpt": gpt.build, "vit": vit.bui
 
 
 def build(config: Config) -> Model:
-    """The reference model the config's ``jzero.model`` section describes (checked)."""
+    """The reference model the config's ``jzero.model`` section describes (checked, its split
+    by tensor and sequence parallelism included)."""
+    model = _reference(config)
+    check_split(config, model.spec)
+    return model
+
+
+def _reference(config: Config) -> Model:
     name = config.jzero.model.name
     if name not in MODELS:
         raise unknown("jzero.model.name", f"model '{name}'", name, MODELS)
     return MODELS[name](config)
 
 
-def validate(config: Config) -> None:
-    """ConfigError naming the ``jzero.model`` key that is wrong; builds nothing heavy."""
+def validate(config: Config, named: bool = True) -> None:
+    """ConfigError naming the ``jzero.model`` key that is wrong; builds nothing heavy. The split
+    is checked against the reference model only when the config ``named`` one: a config without a
+    ``jzero.model`` section may train the user's own model (`jzero.init`), which has no say in
+    the reference GPT's heads; `build` checks it wherever the reference model is used."""
     if config.sparse_attention is not None and config.jzero.model.name != "gpt":
         raise ConfigError(f"sparse_attention: only the gpt model takes a sparse layout, not "
                           f"{config.jzero.model.name!r} (its sequence need not be whole blocks)")
     attention.check_settings(config.jzero.model.attention)
-    check_split(config, build(config).spec)
+    model = _reference(config)
+    if named:
+        check_split(config, model.spec)
 
 
 def check_split(config: Config, spec: object) -> None:

@@ -77,7 +77,7 @@ def load_config(source: str | os.PathLike | Mapping[str, Any], *, dp_size: int |
     _check_ranges(cfg)
     _check_model_parallel(cfg)
     remat.validate(cfg.jzero.remat)
-    models.validate(cfg)
+    models.validate(cfg, named="model" in raw.get("jzero", {}))
     moe.validate(cfg)
     groups.validate(cfg)
     cfg = dataclasses.replace(cfg, optimizer=optim.validate(cfg.optimizer), source=raw)

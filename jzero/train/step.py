@@ -71,7 +71,8 @@ def train_step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax
                 params, opt_state = _apply_update(state, grads, divisor, overflow)
             params, opt_state = jax.device_put((params, opt_state), (plan.params, plan.opt_state))  # scalars too
     loss_scale = state.loss_scale
-    metrics = {"loss": loss, "grad_norm": grad_norm}
+    # a skipped step's norm is inf, however the overflow was found (`overflowed`)
+    metrics = {"loss": loss, "grad_norm": jnp.where(overflow, jnp.inf, grad_norm)}
     if scaler is not None:
         loss_scale = scaler.update(state.loss_scale, overflow)
         metrics.update(loss_scale=state.loss_scale.scale, skipped=overflow, skipped_total=loss_scale.skipped,
@@ -364,8 +365,13 @@ def eval_step(state: TrainState, batch: Any) -> jax.Array:
 
 
 def _check_rows(batch: Any, devices: int) -> None:
-    """One line naming the leaf whose rows do not split evenly over the data-parallel devices."""
-    for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
-        if x.ndim == 0 or x.shape[0] % devices:
-            raise ValueError(f"batch{jax.tree_util.keystr(path)}: leading dimension must be a multiple of the "
-                             f"data-parallel size {devices}, got shape {tuple(x.shape)}")
+    """One line naming the leaf whose rows do not split evenly over the data-parallel devices, or
+    differ from the first leaf's (each device would pair rows that are not the same examples)."""
+    leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
+    for path, x in leaves:
+        if x.ndim == 0 or x.shape[0] % devices or not x.shape[0]:
+            raise ValueError(f"batch{jax.tree_util.keystr(path)}: leading dimension must be a positive multiple of "
+                             f"the data-parallel size {devices}, got shape {tuple(x.shape)}")
+        if x.shape[0] != leaves[0][1].shape[0]:
+            raise ValueError(f"batch{jax.tree_util.keystr(path)}: {x.shape[0]} rows, but "
+                             f"batch{jax.tree_util.keystr(leaves[0][0])} has {leaves[0][1].shape[0]}")

@@ -250,11 +250,14 @@ def _forward(st: _Static, q, k, v, bias, mask):
         return (m_new, (total * alpha).at[row].add(p.sum(-1)), (acc * alpha[..., None]).at[row].add(pv)), None
 
     (m, total, acc), _ = jax.lax.scan(step, init, _xs(g))
-    seen = total > 0  # rows with at least one key; the others give 0 and, by an lse of +inf, no gradient
+    seen = total > 0  # rows with at least one key; the others give 0 and, by a 1 / sum of 0, no gradient
     safe = jnp.where(seen, total, 1.0)
     out = jnp.where(seen[..., None], acc / safe[..., None], 0.0)
-    lse = jnp.where(seen, jnp.where(jnp.isfinite(m), m, 0.0) + jnp.log(safe), jnp.inf)
-    return _unrows(out, g, q.shape).astype(q.dtype), lse
+    # the row's max and 1 / sum, not their log-sum-exp: at a max of -1e8 (a finfo.min-style bias
+    # over a whole row) m + log(sum) rounds back to m, and the backward's probabilities were 1
+    # instead of 1 / S
+    stats = (jnp.where(jnp.isfinite(m), m, 0.0), jnp.where(seen, 1.0 / safe, 0.0))
+    return _unrows(out, g, q.shape).astype(q.dtype), stats
 
 
 def _varying(init: Any, *operands: Any) -> Any:
@@ -279,7 +282,7 @@ def _xs(g: Geometry) -> tuple[jax.Array, ...]:
     return tuple(jnp.asarray(a) for a in g.pairs)
 
 
-def _backward(st: _Static, q, k, v, bias, mask, out, lse, dout):
+def _backward(st: _Static, q, k, v, bias, mask, out, stats, dout):
     g, kv_rows = st.g, (st.kv if st.g.heads == 1 else 1)
     qr, kc, vc = _rows(q, g, kv_rows), _cols(k, g, st.heads), _cols(v, g, st.heads)
     dor = _rows(dout, g, kv_rows).astype(jnp.float32)
@@ -295,7 +298,7 @@ def _backward(st: _Static, q, k, v, bias, mask, out, lse, dout):
         row, col, head, qi, kj, _ = xs
         qb, kb, vb, dob = qr[row], kc[col], vc[col], dor[row]
         s = _scores(g, qb, kb, xs, bt, mt, qr.shape[2], st.bias_shape, st.mask_shape)
-        p = jnp.exp(s - lse[row][..., None])
+        p = jnp.exp(s - stats[0][row][..., None]) * stats[1][row][..., None]
         dv = dv.at[col].add(jnp.einsum("cbkgqs,cbkgqd->cbksd", p.astype(v.dtype).astype(jnp.float32), dob))
         dp = jnp.einsum("cbkgqd,cbksd->cbkgqs", dob, vb.astype(jnp.float32))
         ds = p * (dp - delta[row][..., None])
@@ -327,16 +330,16 @@ def _attend(st: _Static, q, k, v, bias, mask):
 
 
 def _attend_fwd(st, q, k, v, bias, mask):
-    out, lse = _forward(st, q, k, v, bias, mask)
+    out, stats = _forward(st, q, k, v, bias, mask)
     # kept on heads, where the backward reads it: left to the partitioner, the copy the backward
     # saves may take the layout the caller gives the output (tokens, under Ulysses) and move back
     out = modelaxes.heads(out)
-    return out, (q, k, v, bias, mask, out, lse)
+    return out, (q, k, v, bias, mask, out, stats)
 
 
 def _attend_bwd(st, res, dout):
-    q, k, v, bias, mask, out, lse = res
-    dq, dk, dv, dbias = _backward(st, q, k, v, bias, mask, out, lse, dout)
+    q, k, v, bias, mask, out, stats = res
+    dq, dk, dv, dbias = _backward(st, q, k, v, bias, mask, out, stats, dout)
     return dq, dk, dv, dbias, None if mask is None else np.zeros(mask.shape, jax.dtypes.float0)
 
 
