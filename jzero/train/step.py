@@ -92,7 +92,10 @@ def overflowed(scaled_norm: jax.Array, grads: Any, accumulation: int) -> jax.Arr
     gradient, summed over the micro-batches (averaged over the devices), as fp16 ``.grad``, which
     overflows where a sum of finite micro-batch gradients leaves fp16's range. jzero accumulates
     in fp32, so that sum, ``grads`` (the mean over micro-batches and devices) x ``accumulation``,
-    is checked as fp16 here. The pipelined step (`jzero.train.pipestep`) holds the same sum."""
+    is checked as fp16 here. The pipelined step (`jzero.train.pipestep`) holds the same sum. With
+    one micro-batch that sum is a mean of finite fp16 gradients: no pass over them is needed."""
+    if accumulation == 1:
+        return ~jnp.isfinite(scaled_norm)
     too_big = [jnp.any(~jnp.isfinite((g * accumulation).astype(jnp.float16))) for g in jax.tree.leaves(grads)]
     return ~jnp.isfinite(scaled_norm) | jnp.any(jnp.stack(too_big))
 
