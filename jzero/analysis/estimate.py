@@ -187,7 +187,7 @@ def estimate(config: Config, stage: int | None = None) -> Estimate:
 def pipeline_plan(text: str, cfg: Config) -> dict[str, float]:
     """A pipelined step's schedule and traffic: its ticks, the idle fraction of the schedule the
     step runs (`jzero.zero.pipeline.table`) beside its closed form (DeepSpeed's at repeats 1),
-    the stage inputs a stage keeps (its stash), and the GiB each device sends to another stage per
+    the micro-batches whose forward residuals a stage keeps at once (its stash's slots), and the GiB each device sends to another stage per
     step (every collective-permute of the compiled program, idle ticks' included, in the compute
     dtype; circular stages' once-a-step exchange of the stack adds its permutes, not its
     all-to-alls). Memory rows are per device, the same on every stage: one program runs them all."""
@@ -200,7 +200,7 @@ def pipeline_plan(text: str, cfg: Config) -> dict[str, float]:
     sent = sum(i.count * math.prod(dims) * width for i in permutes for _, dims in hlo.shapes(i.result)[:1])
     return {"pipeline_stages": p, "pipeline_repeats": v, "pipeline_ticks": pipeline.ticks(p, m, v),
             "bubble_fraction": pipeline.idle_fraction(p, m, v), "bubble_formula": pipeline.bubble_formula(p, m, v),
-            "stage_inputs_kept": pipeline.stash_size(p, m, v), "between_stages_gib": sent / GiB}
+            "micro_batches_kept": pipeline.stash_size(p, m, v), "between_stages_gib": sent / GiB}
 
 
 def model_parallel_comm(comm: profile.CommReport, mesh: Any) -> dict[str, float]:

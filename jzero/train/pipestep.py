@@ -6,10 +6,11 @@ its own stage's blocks (the stack's block dimension is sharded over "stage",
 `jzero.zero.pipeline.stage_specs`; circular stages reshard it round-robin once a step, `chunked`)
 on its data shard's micro-batches (``gradient_accumulation_steps`` of them). A loop of two ticks
 an iteration (m + p - 1 iterations without repeats) follows `jzero.zero.pipeline.slot`:
-at a tick a stage runs a forward (its input stored in a ring of `jzero.zero.pipeline.stash_size`
-slots: p without repeats, 1F1B's bound), a
-backward (its stored input's forward recomputed under the model's remat policy, then
-differentiated against the gradient the next stage sent) or nothing, chosen by ``lax.switch``;
+at a tick a stage runs a forward (what its vjp saves under the model's remat policy stored in a
+ring of `jzero.zero.pipeline.stash_size` slots, `jzero.zero.residuals`: p without repeats,
+1F1B's bound), a backward (that vjp applied to the gradient the next stage sent; the last
+virtual stage, which keeps its input instead, runs its forward, the loss and the backward at
+once) or nothing, chosen by ``lax.switch``;
 then one ``ppermute`` moves what each stage produced, activations to the next stage and input
 gradients to the previous one (at a tick the two directions pair disjoint neighbours).
 
@@ -31,7 +32,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jzero.train import collectives
-from jzero.zero import branches, groups, modelaxes, pipeline, precision
+from jzero.zero import branches, groups, modelaxes, pipeline, precision, residuals
 from jzero.zero.mesh import DATA_AXES, STAGE, data_parallel_size, keeping, manual_axes
 
 _constrain = jax.lax.with_sharding_constraint
@@ -106,21 +107,16 @@ def pipelined_grads(state: Any, stored: Any, batch: Any, scale: Any) -> tuple[ja
     return loss, {**grads, cut.stack: blocks}
 
 
-def _chunk_fns(cut: Any, compute: Any, scale: Any, last_scope: str) -> tuple[Any, Any]:
-    """A chunk's forward (the first virtual stage embeds) and what its backward differentiates:
-    the last virtual stage's scaled loss, any other's <output, the gradient sent back>; the
-    head's ``cond`` under ``last_scope`` (`jzero.zero.branches`: how often it runs)."""
-    def forward(chunk, ends, x, mb, first):
-        chunk, ends = precision.cast_floating((chunk, ends), compute)
+def _chunk_fns(cut: Any, scale: Any) -> tuple[Any, Any]:
+    """A chunk's forward in (consts: micro-batch, first?; params: chunk, ends; its input), the
+    first virtual stage embedding, and the last virtual stage's scaled loss (and loss) through it."""
+    def forward(consts, params, x):
+        (mb, first), (chunk, ends) = consts, params
         return cut.layers(chunk, jnp.where(first, cut.embed(ends, mb), x))
 
-    def objective(chunk, ends, x, mb, ct, first, last):
-        y = forward(chunk, ends, x, mb, first)
-        with jax.named_scope(last_scope):
-            loss = jax.lax.cond(last, lambda: cut.head(precision.cast_floating(ends, compute), y, mb).astype(
-                jnp.float32), lambda: jnp.zeros((), jnp.float32))
-        inner = jnp.sum(y.astype(jnp.float32) * ct.astype(jnp.float32))
-        return jnp.where(last, loss * scale, inner), loss
+    def objective(params, x, consts):
+        loss = cut.head(params[1], forward(consts, params, x), consts[0]).astype(jnp.float32)
+        return loss * scale, loss
 
     return forward, objective
 
@@ -136,47 +132,74 @@ def _schedule(state: Any, stack: Any, ends: Any, rows: Any, scale: Any) -> tuple
     slots = pipeline.stash_size(p, m, v)
 
     on_tick, on_last = (branches.scope(f) for f in pipeline.branch_fractions(p, m, v))
-    forward, objective = _chunk_fns(cut, compute, scale, on_last)
-    shape = jax.eval_shape(lambda e, mb: cut.embed(precision.cast_floating(e, compute), mb), ends,
-                           jax.tree.map(lambda x: x[0], micro))
+    forward, objective = _chunk_fns(cut, scale)
+    cast = functools.partial(precision.cast_floating, dtype=compute)
+    ends = cast(ends)
+    consts0 = (jax.tree.map(lambda x: x[0], micro), jnp.bool_(True))
+    chunk0 = cast(jax.tree.map(lambda x: x[0], stack))
+    shape = jax.eval_shape(cut.embed, ends, consts0[0])
     zeros_x = jnp.zeros(shape.shape, shape.dtype)
+    _, stored_shapes, saved = residuals.shapes(forward, consts0, (chunk0, ends), zeros_x)
+    zeros_stored = [jnp.zeros(r.shape, r.dtype) for r in stored_shapes]
     zero_grads = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), (stack, ends))
 
     def tick(carry, t, perm):
-        stash, recv, acc, loss_sum = carry
+        inputs, ring, recv, acc, loss_sum = carry
         op, i, r = pipeline.slot(t, s, p, m, v)
         k, r = jnp.clip(i, 0, m - 1), (jnp.clip(r, 0, v - 1) if v > 1 else 0)
         first, last = (s == 0) & (r == 0), (s == p - 1) & (r == v - 1)
-        mb, chunk = jax.tree.map(lambda x: x[k], micro), jax.tree.map(lambda x: x[r], stack)
+        consts = (jax.tree.map(lambda x: x[k], micro), first)
+        params = (cast(jax.tree.map(lambda x: x[r], stack)), ends)
         key = pipeline.forward_index(k, r, p, v) % slots
-        kept = stash[key]
+        kept = inputs[key]
 
         def idle():
-            return zeros_x, jax.tree.map(lambda x: x[0], zero_grads[0]), zero_grads[1], jnp.zeros((), jnp.float32)
+            return zeros_x, zeros_stored, jax.tree.map(lambda x: x[0], zero_grads[0]), zero_grads[1], jnp.float32(0)
 
         def run_forward():
-            with jax.named_scope(on_last):
-                sent = jax.lax.cond(last, lambda: zeros_x, lambda: forward(chunk, ends, recv, mb, first))
-            return sent, *idle()[1:]
+            def through():
+                return residuals.forward(forward, consts, params, recv)[:2]
+
+            with jax.named_scope(on_last):  # the last virtual stage runs its forward with its backward
+                sent, keep = jax.lax.cond(last, lambda: (zeros_x, zeros_stored), through)
+            return sent, keep, *idle()[2:]
 
         def run_backward():
-            (_, loss), (g_chunk, g_ends, g_x) = jax.value_and_grad(objective, argnums=(0, 1, 2), has_aux=True)(
-                chunk, ends, kept, mb, recv, first, last)
-            return g_x.astype(zeros_x.dtype), g_chunk, g_ends, loss
+            def from_stash():
+                stored = [x[key] for x in ring]  # sliced in the branch: no copy of a slot passed into it
+                (g_chunk, g_ends), g_x = residuals.pullback(saved, consts, params, stored)(recv)
+                return g_x, g_chunk, g_ends, jnp.float32(0)
 
-        # Only what a tick produces leaves the switch: the stash and the accumulators are
+            def through_head():
+                (_, loss), ((g_chunk, g_ends), g_x) = jax.value_and_grad(objective, argnums=(0, 1), has_aux=True)(
+                    params, kept, consts)
+                return g_x, g_chunk, g_ends, loss
+
+            with jax.named_scope(on_last):
+                g_x, g_chunk, g_ends, loss = jax.lax.cond(last, through_head, from_stash)
+            return g_x.astype(zeros_x.dtype), zeros_stored, *_as_fp32((g_chunk, g_ends)), loss
+
+        # Only what a tick produces leaves the switch: the stashes and the accumulators are
         # updated in place outside it (inside, each branch would return a copy of them).
         with jax.named_scope(on_tick):
-            send, g_chunk, g_ends, loss = jax.lax.switch(op, [idle, run_forward, run_backward])
-        stash = stash.at[key].set(jnp.where(op == pipeline.FORWARD, recv, kept))
+            send, keep, g_chunk, g_ends, loss = jax.lax.switch(op, [idle, run_forward, run_backward])
+        put = jnp.where(op == pipeline.FORWARD, key, slots)  # other ticks write the spare slot
+        inputs = inputs.at[put].set(recv)
+        ring = [x.at[put].set(new) for x, new in zip(ring, keep)]
         acc = (jax.tree.map(lambda a, g: a.at[r].add(g), acc[0], g_chunk), jax.tree.map(jnp.add, acc[1], g_ends))
-        return stash, jax.lax.ppermute(send, STAGE, perm), acc, loss_sum + loss
+        return inputs, ring, jax.lax.ppermute(send, STAGE, perm), acc, loss_sum + loss
 
     even, odd = perms(p, circular=v > 1)
 
     def iteration(carry, it):
         return tick(tick(carry, 2 * it, even), 2 * it + 1, odd), None
 
-    start = (jnp.zeros((slots, *shape.shape), shape.dtype), zeros_x, zero_grads, jnp.zeros((), jnp.float32))
-    (_, _, (g_stack, g_ends), loss_sum), _ = jax.lax.scan(iteration, start, jnp.arange(pipeline.ticks(p, m, v) // 2))
+    start = (jnp.zeros((slots + 1, *shape.shape), shape.dtype),
+             [jnp.zeros((slots + 1, *r.shape), r.dtype) for r in stored_shapes],
+             zeros_x, zero_grads, jnp.zeros((), jnp.float32))
+    (*_, (g_stack, g_ends), loss_sum), _ = jax.lax.scan(iteration, start, jnp.arange(pipeline.ticks(p, m, v) // 2))
     return loss_sum, g_stack, g_ends
+
+
+def _as_fp32(tree: Any) -> Any:
+    return jax.tree.map(lambda g: g.astype(jnp.float32), tree)
