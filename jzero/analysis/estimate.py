@@ -187,10 +187,11 @@ def estimate(config: Config, stage: int | None = None) -> Estimate:
 def pipeline_plan(text: str, cfg: Config) -> dict[str, float]:
     """A pipelined step's schedule and traffic: its ticks, the idle fraction of the schedule the
     step runs (`jzero.zero.pipeline.table`) beside its closed form (DeepSpeed's at repeats 1),
-    the micro-batches whose forward residuals a stage keeps at once (its stash's slots), and the GiB each device sends to another stage per
-    step (every collective-permute of the compiled program, idle ticks' included, in the compute
-    dtype; circular stages' once-a-step exchange of the stack adds its permutes, not its
-    all-to-alls). Memory rows are per device, the same on every stage: one program runs them all."""
+    the micro-batches whose forward residuals a stage keeps at once (its stash's slots), and the
+    GiB each device sends to another stage per step (every collective-permute of the compiled
+    program, idle ticks' included, in the compute dtype; circular stages' once-a-step exchange
+    of the stack adds its permutes, not its all-to-alls). Memory rows are per device, the same
+    on every stage: one program runs them all."""
     p, m, v = cfg.pipeline.stages, cfg.gradient_accumulation_steps, cfg.pipeline.repeats
     if p == 1:
         return {}

@@ -14,6 +14,7 @@ class ModelConfig:
     takes the keys its preset has)."""
 
     name: str = "gpt"  # a key of jzero.models.MODELS
+    hf: str | None = None  # a Hugging Face model directory: the model (name, shape), weights and tokenizer
     size: str = "tiny"
     vocab_size: int | None = None
     seq_len: int | None = None

@@ -11,11 +11,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from jzero.config import Config, ConfigError, unknown
-from jzero.models import attention, clip, evoformer, gpt, mlp, vit
+from jzero.models import attention, clip, evoformer, gpt, hfconfig, llama, mlp, vit
 from jzero.models.base import Model
 
 MODELS: dict[str, Callable[[Config], Model]] = {"gpt": gpt.build, "vit": vit.build, "clip": clip.build,
-                                              "mlp": mlp.build, "evoformer": evoformer.build}
+                                              "mlp": mlp.build, "evoformer": evoformer.build, "llama": llama.build}
+# a Hugging Face directory's family (`jzero.models.hfconfig`) -> its model from the spec it reads
+FROM_SPEC: dict[str, Callable[[object], Model]] = {"gpt": gpt.build_from, "llama": llama.build_from}
 
 
 def build(config: Config) -> Model:
@@ -27,6 +29,9 @@ def build(config: Config) -> Model:
 
 
 def _reference(config: Config) -> Model:
+    if config.jzero.model.hf is not None:
+        spec = hfconfig.spec(config)
+        return FROM_SPEC[spec.name](spec.model)
     name = config.jzero.model.name
     if name not in MODELS:
         raise unknown("jzero.model.name", f"model '{name}'", name, MODELS)

@@ -6,6 +6,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
 from jzero.config import ConfigError, ModelConfig
 
 
@@ -41,6 +45,19 @@ class Stages(NamedTuple):
     embed: Callable[[Any, Any], Any]  # (ends' params, micro-batch) -> the first block's input
     layers: Callable[[Any, Any], Any]  # (params[stack] of any number of blocks, x) -> x
     head: Callable[[Any, Any, Any], Any]  # (ends' params, last block's output, micro-batch) -> loss
+
+
+def token_batches(seq_len: int, vocab_size: int) -> tuple[Callable[[int], dict], Callable[[int], dict]]:
+    """A language model's (batch_spec, example_batch): ``{"inputs", "targets"}`` int32 token
+    arrays of shape (batch, seq_len), the example's targets its inputs shifted by one."""
+    def batch_spec(batch_size: int) -> dict[str, jax.ShapeDtypeStruct]:
+        return {k: jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32) for k in ("inputs", "targets")}
+
+    def example_batch(batch_size: int) -> dict[str, np.ndarray]:
+        tokens = np.random.default_rng(0).integers(0, vocab_size, (batch_size, seq_len + 1))
+        return {"inputs": tokens[:, :-1].astype(np.int32), "targets": tokens[:, 1:].astype(np.int32)}
+
+    return batch_spec, example_batch
 
 
 def from_section(section: ModelConfig, sizes: dict[str, Any], remat: str, positive: tuple[str, ...]) -> Any:

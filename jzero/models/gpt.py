@@ -17,14 +17,13 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.ad_checkpoint import checkpoint_name
 
 from jzero.config import AttentionConfig, Config, ConfigError, ModelConfig, SparseAttentionConfig
 from jzero.models import attention, tiles
 from jzero.models.adapters import from_linen
-from jzero.models.base import Model, Stages, from_section
+from jzero.models.base import Model, Stages, from_section, token_batches
 from jzero.models.kvcache import Decoder, Decoding, KVCache
 from jzero.models.layers import run_stack, scan_layers
 from jzero.models.moe import MoE, MoESpec, MoEStats, spec_from_config
@@ -49,6 +48,9 @@ class GPTConfig:
     sparse_attention: SparseAttentionConfig | None = None  # DeepSpeed's section: the layout of every layer
     loss_tile: int = 1024  # tokens per tile of the LM loss (`jzero.models.tiles`); 0: whole logits
     mlp_tile: int = 0  # tokens per tile of each feed-forward (`jzero.models.tiles`); 0: untiled
+    qkv_bias: bool = False  # GPT-2's checkpoints have one
+    ln_eps: float = 1e-6  # LayerNorm's epsilon (GPT-2: 1e-5)
+    positions_len: int = 0  # rows of the learned position table (0: seq_len; GPT-2: n_positions)
 
     @property
     def moe_layers(self) -> int:
@@ -121,11 +123,13 @@ class Block(nn.Module):
         hd = d // cfg.n_heads
         x = modelaxes.residual(x)
         with jax.named_scope("attention"):  # scope names: `jzero profile` attributes FLOPs by them
-            h = modelaxes.gathered(nn.LayerNorm(name="ln1")(x))
-            # No qkv bias: the key bias has an exactly zero gradient (softmax is shift-invariant),
-            # so Adam would only amplify rounding noise in it. The kernel is [d, 3, d], so a
-            # column split of its last dim over a tensor group gives each device whole heads.
-            qkv = nn.DenseGeneral((3, d), use_bias=False, kernel_init=_init, name="qkv")(h)
+            eps = getattr(cfg, "ln_eps", 1e-6)
+            h = modelaxes.gathered(nn.LayerNorm(epsilon=eps, name="ln1")(x))
+            # No qkv bias unless a checkpoint has one (GPT-2): the key bias has an exactly zero
+            # gradient (softmax is shift-invariant), so Adam would only amplify rounding noise in
+            # it. The kernel is [d, 3, d], so a column split of its last dim over a tensor group
+            # gives each device whole heads.
+            qkv = nn.DenseGeneral((3, d), use_bias=getattr(cfg, "qkv_bias", False), kernel_init=_init, name="qkv")(h)
             qkv = checkpoint_name(modelaxes.tokens(qkv.reshape(b, t, 3, cfg.n_heads, hd), axis=3), "qkv")
             # split, not indexed: split's transpose is one concatenate, indexing's three pads and
             # adds (+30% on the attention sublayer's step on XLA:CPU); Ulysses moves each on its own
@@ -143,7 +147,7 @@ class Block(nn.Module):
             attn = checkpoint_name(attn.reshape(b, t, d), "attn_out")
             x = modelaxes.residual(x + nn.Dense(d, kernel_init=_init, name="proj")(attn))
         with jax.named_scope("mlp"):
-            h = modelaxes.gathered(nn.LayerNorm(name="ln2")(x))
+            h = modelaxes.gathered(nn.LayerNorm(epsilon=eps, name="ln2")(x))
             if self.moe is not None:
                 y, layer = MoE(self.moe, name="moe")(h)
                 return x + y, stats + layer
@@ -182,10 +186,10 @@ class GPT(nn.Module):
         cfg = self.cfg
         self.wte = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=_init)
         if cfg.positions == "learned":
-            self.wpe = self.param("wpe", _init, (cfg.seq_len, cfg.d_model))
+            self.wpe = self.param("wpe", _init, (cfg.positions_len or cfg.seq_len, cfg.d_model))
         unit, length = (Block(cfg), cfg.n_layers) if cfg.moe is None else (MoEUnit(cfg), cfg.moe_layers)
         self.blocks = scan_layers(unit, length, remat_policy=cfg.remat)
-        self.ln_f = nn.LayerNorm()
+        self.ln_f = nn.LayerNorm(epsilon=cfg.ln_eps)
         if not cfg.tie_embeddings:
             self.head = nn.Dense(cfg.vocab_size, kernel_init=_init)
 
@@ -308,15 +312,13 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
 def build(config: Config) -> Model:
     """The reference GPT of ``config`` (``jzero.model`` and ``jzero.remat``) as a `Model`:
     batches are ``{"inputs", "targets"}`` int32 token arrays of shape (batch, seq_len)."""
-    cfg = gpt_config(config.jzero.model, config.jzero.remat, config)
+    return build_from(gpt_config(config.jzero.model, config.jzero.remat, config))
+
+
+def build_from(cfg: GPTConfig) -> Model:
+    """The GPT of ``cfg`` as a `Model` (see `build`)."""
     init_fn, loss_fn = make(cfg)
-
-    def batch_spec(batch_size: int) -> dict[str, jax.ShapeDtypeStruct]:
-        return {k: jax.ShapeDtypeStruct((batch_size, cfg.seq_len), jnp.int32) for k in ("inputs", "targets")}
-
-    def example_batch(batch_size: int) -> dict[str, np.ndarray]:
-        tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch_size, cfg.seq_len + 1))
-        return {"inputs": tokens[:, :-1].astype(np.int32), "targets": tokens[:, 1:].astype(np.int32)}
+    batch_spec, example_batch = token_batches(cfg.seq_len, cfg.vocab_size)
 
     return Model(name="gpt", spec=cfg, init_fn=init_fn, loss_fn=loss_fn, batch_spec=batch_spec,
                  example_batch=example_batch, tokens_per_example=cfg.seq_len,

@@ -20,6 +20,7 @@ from typing import Any
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from jzero.zero import dots, hooks, remat
@@ -28,16 +29,20 @@ from jzero.zero.sharding import STACKED_KEY
 
 def scan_layers(block: nn.Module | Callable[[nnx.Rngs], nnx.Module], length: int, *,
                 remat_policy: str = "full", rngs: nnx.Rngs | None = None,
-                name: str | None = None) -> nn.Module | nnx.Module:
+                name: str | None = None, per_layer: tuple[int, ...] = ()) -> nn.Module | nnx.Module:
     """Stack ``length`` copies of ``block`` (a Linen module, or an NNX factory taking rngs).
 
     ``name`` names the Linen submodule (ignored by NNX, where the attribute name is the path).
+    ``per_layer`` (Linen): one int a layer, handed to the block after x (a layer's sliding window).
     """
     if length < 1:
         raise ValueError(f"scan_layers: length must be >= 1, got {length}")
     remat.policy(remat_policy)  # fail early on an unknown name
     if isinstance(block, nn.Module):
-        return LinenScanLayers(block=block, length=length, remat_policy=remat_policy, name=name)
+        if per_layer and len(per_layer) != length:
+            raise ValueError(f"scan_layers: per_layer has {len(per_layer)} values for {length} layers")
+        return LinenScanLayers(block=block, length=length, remat_policy=remat_policy, per_layer=tuple(per_layer),
+                               name=name)
     if rngs is None:
         raise ValueError("scan_layers: an NNX block factory needs rngs=nnx.Rngs(...)")
     return NNXScanLayers(block, length, remat_policy=remat_policy, rngs=rngs)
@@ -86,14 +91,17 @@ class LinenScanLayers(nn.Module):
     block: nn.Module
     length: int
     remat_policy: str = "full"
+    per_layer: tuple[int, ...] = ()  # one int a layer, the block's argument after x
 
     @nn.compact
     def __call__(self, x):
         block = self.block.clone(parent=None)  # used as a pure function: init / apply
+        values = jnp.asarray(self.per_layer, jnp.int32) if self.per_layer else None
+        first = () if values is None else (values[0],)
 
         def init_stack(rng):
             keys = jax.random.split(rng, self.length)
-            return jax.vmap(lambda k: block.init({"params": k, "dropout": k}, x)["params"])(keys)
+            return jax.vmap(lambda k: block.init({"params": k, "dropout": k}, x, *first)["params"])(keys)
 
         # Applied, the stack takes its params as given (not re-checked against init's shapes:
         # under the step an MoE layer's experts are this device's E / ep_size).
@@ -102,10 +110,12 @@ class LinenScanLayers(nn.Module):
         use_dropout = self.has_rng("dropout")
         keys = jax.random.split(self.make_rng("dropout") if use_dropout else jax.random.key(0), self.length)
 
-        def apply_layer(params, h, key):
-            return block.apply({"params": params}, h, rngs={"dropout": key} if use_dropout else None)
+        def apply_layer(params, h, extra):
+            key, *value = extra
+            return block.apply({"params": params}, h, *value, rngs={"dropout": key} if use_dropout else None)
 
-        return run_stack(apply_layer, x, stacked, keys, self.remat_policy)
+        extra = (keys,) if values is None else (keys, values)
+        return run_stack(apply_layer, x, stacked, extra, self.remat_policy)
 
 
 class NNXScanLayers(nnx.Module):

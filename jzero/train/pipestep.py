@@ -24,7 +24,7 @@ refuses them with a pipeline).
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -121,71 +121,50 @@ def _chunk_fns(cut: Any, scale: Any) -> tuple[Any, Any]:
     return forward, objective
 
 
+class _Empty(NamedTuple):
+    """A tick's outputs where it produces nothing (zeros), and the stored residuals' structure."""
+
+    x: jax.Array  # a stage's input or output
+    stored: list  # one forward's residuals (`jzero.zero.residuals`)
+    grads: Any  # (a chunk's, the ends'), fp32
+    saved: residuals.Saved
+
+
 def _schedule(state: Any, stack: Any, ends: Any, rows: Any, scale: Any) -> tuple[jax.Array, Any, Any]:
     """One device's stage through the whole schedule: (its loss sum, its accumulated fp32
     gradients of its stack chunks [repeats, blocks, ...] and of the ends)."""
     cfg, cut = state.config, state.stages
     p, m, v = cfg.pipeline.stages, cfg.gradient_accumulation_steps, cfg.pipeline.repeats
-    compute = precision.policy(cfg).compute_dtype
+    cast = functools.partial(precision.cast_floating, dtype=precision.policy(cfg).compute_dtype)
     s = jax.lax.axis_index(STAGE)
     micro = jax.tree.map(lambda x: x.reshape(m, x.shape[0] // m, *x.shape[1:]), rows)
     slots = pipeline.stash_size(p, m, v)
-
     on_tick, on_last = (branches.scope(f) for f in pipeline.branch_fractions(p, m, v))
-    forward, objective = _chunk_fns(cut, scale)
-    cast = functools.partial(precision.cast_floating, dtype=compute)
+    fns = _chunk_fns(cut, scale)
     ends = cast(ends)
-    consts0 = (jax.tree.map(lambda x: x[0], micro), jnp.bool_(True))
-    chunk0 = cast(jax.tree.map(lambda x: x[0], stack))
+    consts0, chunk0 = (jax.tree.map(lambda x: x[0], micro), jnp.bool_(True)), cast(jax.tree.map(lambda x: x[0], stack))
     shape = jax.eval_shape(cut.embed, ends, consts0[0])
-    zeros_x = jnp.zeros(shape.shape, shape.dtype)
-    _, stored_shapes, saved = residuals.shapes(forward, consts0, (chunk0, ends), zeros_x)
-    zeros_stored = [jnp.zeros(r.shape, r.dtype) for r in stored_shapes]
+    _, stored_shapes, saved = residuals.shapes(fns[0], consts0, (chunk0, ends), jnp.zeros(shape.shape, shape.dtype))
     zero_grads = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), (stack, ends))
+    empty = _Empty(jnp.zeros(shape.shape, shape.dtype), [jnp.zeros(r.shape, r.dtype) for r in stored_shapes],
+                   (jax.tree.map(lambda x: x[0], zero_grads[0]), zero_grads[1]), saved)
 
     def tick(carry, t, perm):
         inputs, ring, recv, acc, loss_sum = carry
         op, i, r = pipeline.slot(t, s, p, m, v)
         k, r = jnp.clip(i, 0, m - 1), (jnp.clip(r, 0, v - 1) if v > 1 else 0)
-        first, last = (s == 0) & (r == 0), (s == p - 1) & (r == v - 1)
-        consts = (jax.tree.map(lambda x: x[k], micro), first)
+        consts = (jax.tree.map(lambda x: x[k], micro), (s == 0) & (r == 0))
         params = (cast(jax.tree.map(lambda x: x[r], stack)), ends)
         key = pipeline.forward_index(k, r, p, v) % slots
-        kept = inputs[key]
-
-        def idle():
-            return zeros_x, zeros_stored, jax.tree.map(lambda x: x[0], zero_grads[0]), zero_grads[1], jnp.float32(0)
-
-        def run_forward():
-            def through():
-                return residuals.forward(forward, consts, params, recv)[:2]
-
-            with jax.named_scope(on_last):  # the last virtual stage runs its forward with its backward
-                sent, keep = jax.lax.cond(last, lambda: (zeros_x, zeros_stored), through)
-            return sent, keep, *idle()[2:]
-
-        def run_backward():
-            def from_stash():
-                stored = [x[key] for x in ring]  # sliced in the branch: no copy of a slot passed into it
-                (g_chunk, g_ends), g_x = residuals.pullback(saved, consts, params, stored)(recv)
-                return g_x, g_chunk, g_ends, jnp.float32(0)
-
-            def through_head():
-                (_, loss), ((g_chunk, g_ends), g_x) = jax.value_and_grad(objective, argnums=(0, 1), has_aux=True)(
-                    params, kept, consts)
-                return g_x, g_chunk, g_ends, loss
-
-            with jax.named_scope(on_last):
-                g_x, g_chunk, g_ends, loss = jax.lax.cond(last, through_head, from_stash)
-            return g_x.astype(zeros_x.dtype), zeros_stored, *_as_fp32((g_chunk, g_ends)), loss
-
+        ops = _ops(fns, empty, on_last, consts, params, recv, inputs[key],
+                   lambda: [x[key] for x in ring], (s == p - 1) & (r == v - 1))
         # Only what a tick produces leaves the switch: the stashes and the accumulators are
         # updated in place outside it (inside, each branch would return a copy of them).
         with jax.named_scope(on_tick):
-            send, keep, g_chunk, g_ends, loss = jax.lax.switch(op, [idle, run_forward, run_backward])
+            send, keep, g_chunk, g_ends, loss = jax.lax.switch(op, ops)
         put = jnp.where(op == pipeline.FORWARD, key, slots)  # other ticks write the spare slot
         inputs = inputs.at[put].set(recv)
-        ring = [x.at[put].set(new) for x, new in zip(ring, keep)]
+        ring = [x.at[put].set(new) for x, new in zip(ring, keep, strict=True)]
         acc = (jax.tree.map(lambda a, g: a.at[r].add(g), acc[0], g_chunk), jax.tree.map(jnp.add, acc[1], g_ends))
         return inputs, ring, jax.lax.ppermute(send, STAGE, perm), acc, loss_sum + loss
 
@@ -196,9 +175,45 @@ def _schedule(state: Any, stack: Any, ends: Any, rows: Any, scale: Any) -> tuple
 
     start = (jnp.zeros((slots + 1, *shape.shape), shape.dtype),
              [jnp.zeros((slots + 1, *r.shape), r.dtype) for r in stored_shapes],
-             zeros_x, zero_grads, jnp.zeros((), jnp.float32))
+             empty.x, zero_grads, jnp.zeros((), jnp.float32))
     (*_, (g_stack, g_ends), loss_sum), _ = jax.lax.scan(iteration, start, jnp.arange(pipeline.ticks(p, m, v) // 2))
     return loss_sum, g_stack, g_ends
+
+
+def _ops(fns: Any, empty: _Empty, on_last: str, consts: Any, params: Any, recv: Any, kept: Any,
+         stored: Any, last: Any) -> list[Any]:
+    """A tick's three branches (idle, forward, backward), each -> (what it sends, the residuals
+    to store, its chunk's and the ends' fp32 gradients, its loss). ``kept``: the stored input
+    (the last virtual stage's); ``stored()``: the stored residuals, sliced inside the branch
+    (sliced outside, the slice is an operand copy: +1 slot)."""
+    forward, objective = fns
+
+    def idle():
+        return empty.x, empty.stored, *empty.grads, jnp.float32(0)
+
+    def run_forward():
+        def through():
+            return residuals.forward(forward, consts, params, recv)[:2]
+
+        with jax.named_scope(on_last):  # the last virtual stage runs its forward with its backward
+            sent, keep = jax.lax.cond(last, lambda: (empty.x, empty.stored), through)
+        return sent, keep, *empty.grads, jnp.float32(0)
+
+    def run_backward():
+        def from_stash():
+            (g_chunk, g_ends), g_x = residuals.pullback(empty.saved, consts, params, stored())(recv)
+            return g_x, g_chunk, g_ends, jnp.float32(0)
+
+        def through_head():
+            (_, loss), ((g_chunk, g_ends), g_x) = jax.value_and_grad(objective, argnums=(0, 1), has_aux=True)(
+                params, kept, consts)
+            return g_x, g_chunk, g_ends, loss
+
+        with jax.named_scope(on_last):
+            g_x, g_chunk, g_ends, loss = jax.lax.cond(last, through_head, from_stash)
+        return g_x.astype(empty.x.dtype), empty.stored, *_as_fp32((g_chunk, g_ends)), loss
+
+    return [idle, run_forward, run_backward]
 
 
 def _as_fp32(tree: Any) -> Any:

@@ -141,9 +141,12 @@ def _place(values: Any, shapes: Any, shardings: Any, what: str) -> Any:
         raise ConfigError(f"{what}: the given {what} do not fit the model: {mismatch}")
 
     def put(name: str, shape: jax.ShapeDtypeStruct, sharding: jax.sharding.Sharding) -> jax.Array:
+        # shard by shard, each on its device before the next is read: host memory holds one
+        # shard at a time, not the leaf (a lazily read checkpoint, `jzero.runtime.hf`, streams)
         value = have[name]
-        return jax.make_array_from_callback(shape.shape, sharding,
-                                            lambda index: np.asarray(value[index]).astype(shape.dtype))
+        pieces = [jax.device_put(np.asarray(value[index]).astype(shape.dtype), device)
+                  for device, index in sharding.addressable_devices_indices_map(shape.shape).items()]
+        return jax.make_array_from_single_device_arrays(shape.shape, sharding, pieces)
 
     return treepath.fill(shapes, {n: put(n, want[n], s) for n, s in treepath.named_leaves(shardings).items()})
 

@@ -33,7 +33,7 @@ def forward(fn: Callable[..., Any], consts: Any, params: Any, own: Any) -> tuple
     leaves, tree = jax.tree.flatten(pull)
     ids = {id(x): i for i, x in enumerate(jax.tree.leaves((consts, params)))}
     source = tuple(ids.get(id(leaf)) for leaf in leaves)
-    return out, [leaf for leaf, i in zip(leaves, source) if i is None], Saved(tree, source)
+    return out, [leaf for leaf, i in zip(leaves, source, strict=True) if i is None], Saved(tree, source)
 
 
 def pullback(saved: Saved, consts: Any, params: Any, stored: list[jax.Array]) -> Callable[..., Any]:
