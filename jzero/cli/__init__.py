@@ -17,11 +17,11 @@ import traceback
 import warnings
 from typing import Any
 
-from jzero.cli import autotune, bench, estimate, export, generate, launch, profile, serve, train, tune
+from jzero.cli import autotune, bench, estimate, evaluate, export, generate, launch, profile, serve, train, tune
 from jzero.cli.common import UsageError
 
 EXIT_USAGE, EXIT_INTERRUPTED = 2, 130
-COMMANDS = (train, launch, autotune, tune, profile, export, generate, serve, estimate, bench)
+COMMANDS = (train, launch, autotune, tune, profile, export, generate, serve, evaluate, estimate, bench)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,10 +20,13 @@ def add_config_arguments(parser: argparse.ArgumentParser, *, devices_required: b
                         help="devices to use; simulated on a CPU-only host")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config key by dotted path, e.g. --set zero_optimization.stage=3")
+    parser.add_argument("--hf", metavar="DIR", help="a Hugging Face model directory: the model, its weights and "
+                        "tokenizer (jzero.model.hf; this flag wins)")
 
 
-def read_overridden(path: str, overrides: list[str]) -> dict[str, Any]:
-    """The config file as a dict with ``--set key=value`` overrides applied (values parsed as JSON)."""
+def read_overridden(path: str, overrides: list[str], hf: str | None = None) -> dict[str, Any]:
+    """The config file as a dict with ``--set key=value`` overrides applied (values parsed as JSON)
+    and ``--hf DIR`` as ``jzero.model.hf``."""
     if not Path(path).is_file():
         raise UsageError(f"config file not found: {path}")
     try:
@@ -48,6 +51,10 @@ def read_overridden(path: str, overrides: list[str]) -> dict[str, Any]:
                 raise UsageError(f"--set {key}: '{part}' is not a section (it holds {child!r})")
             node = child
         node[parts[-1]] = value
+    if hf is not None:
+        if not Path(hf).is_dir():
+            raise UsageError(f"--hf: {hf} is not a directory (a Hugging Face model directory with config.json)")
+        raw.setdefault("jzero", {}).setdefault("model", {})["hf"] = hf
     return raw
 
 
@@ -63,7 +70,7 @@ def simulate_devices(count: int | None) -> None:
 
 def config_on_devices(args: argparse.Namespace) -> dict[str, Any]:
     """The config with ``--set`` applied and ``--devices`` (else jzero.mesh.devices) simulated."""
-    raw = read_overridden(args.config, args.set)
+    raw = read_overridden(args.config, args.set, getattr(args, "hf", None))
     if args.devices is not None:
         if args.devices < 1:
             raise UsageError(f"--devices: must be >= 1, got {args.devices}")

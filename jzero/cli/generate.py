@@ -8,6 +8,7 @@ and prints ids.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from jzero.cli.common import UsageError, add_config_arguments, config_on_devices
@@ -30,14 +31,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_config_arguments(gen)
     add_weights_arguments(gen)
     prompt = gen.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt", help="UTF-8 text (byte-level models, vocab 256)")
+    prompt.add_argument("--prompt", help="text (through --hf's tokenizer; UTF-8 bytes for byte-level models)")
     prompt.add_argument("--prompt-ids", type=int, nargs="+", metavar="ID", help="token ids")
     gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default 64)")
     gen.add_argument("--temperature", type=float, default=1.0, help="0: greedy (default 1.0)")
     gen.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest (default 0: all)")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus: the smallest set with this mass (default 1)")
     gen.add_argument("--seed", type=int, default=0, help="the sampling seed (default 0)")
-    gen.add_argument("--stop", type=int, help="a token id that ends generation")
+    gen.add_argument("--stop", type=int, help="a token id that ends generation (default: the tokenizer's EOS)")
+    gen.add_argument("--json", action="store_true", help="print one JSON object: prompt_ids, token_ids, text")
     gen.set_defaults(func=run)
 
 
@@ -81,36 +83,41 @@ def _trained_dp(raw: dict) -> int:
     return 1
 
 
-def prompt_tokens(vocab_size: int, text: str | None, ids: list[int] | None) -> list[int]:
-    """The prompt as token ids: UTF-8 bytes of ``text`` for a byte-level model, else ``ids``."""
-    from jzero.inference.text import encode
-
+def prompt_tokens(tokenizer, text: str | None, ids: list[int] | None) -> list[int]:
+    """The prompt as token ids: ``text`` through the model's tokenizer, else ``ids``."""
     if text is not None:
         try:
-            return encode(text, vocab_size)
+            return tokenizer.encode(text)
         except ValueError as e:
             raise UsageError(f"--prompt: {e} (--prompt-ids)") from None
-    bad = [i for i in ids if not 0 <= i < vocab_size]
+    bad = [i for i in ids if not 0 <= i < tokenizer.vocab_size]
     if bad:
-        raise UsageError(f"--prompt-ids: {bad[0]} is outside the vocabulary 0..{vocab_size - 1}")
+        raise UsageError(f"--prompt-ids: {bad[0]} is outside the vocabulary 0..{tokenizer.vocab_size - 1}")
     return ids
 
 
 def run(args: argparse.Namespace) -> int:
     from jzero.inference import sampling
     from jzero.inference.scheduler import Request, stream
-    from jzero.inference.text import Detokenizer
+    from jzero.inference.text import for_model
 
-    _, eng = engine_from(args)
-    tokens = prompt_tokens(eng.decoder.vocab_size, args.prompt, args.prompt_ids)
-    if args.stop is not None and not 0 <= args.stop < eng.decoder.vocab_size:
-        raise UsageError(f"--stop: {args.stop} is outside the vocabulary 0..{eng.decoder.vocab_size - 1}")
+    config, eng = engine_from(args)
+    tokenizer = for_model(eng.decoder.vocab_size, config.jzero.model.hf)
+    tokens = prompt_tokens(tokenizer, args.prompt, args.prompt_ids)
+    vocab = eng.decoder.vocab_size
+    stops = [args.stop] if args.stop is not None else tokenizer.eos
+    if args.stop is not None and not 0 <= args.stop < vocab:
+        raise UsageError(f"--stop: {args.stop} is outside the vocabulary 0..{vocab - 1}")
     try:
         request = Request(tokens, args.max_tokens, sampling.SamplingParams(args.temperature, args.top_k, args.top_p),
-                          seed=args.seed, stop=args.stop).checked(eng.decoder.max_len)
+                          seed=args.seed, stop=tuple(stops)).checked(eng.decoder.max_len)
     except ValueError as e:
         raise UsageError(f"--{str(e).replace('_', '-')}") from None
-    words = Detokenizer(eng.decoder.vocab_size)
+    words = tokenizer.detokenizer()
+    if args.json:
+        generated = list(stream(eng, request))
+        print(json.dumps({"prompt_ids": tokens, "token_ids": generated, "text": words.of(generated)}))
+        return 0
     if args.prompt is not None:
         sys.stdout.write(args.prompt)
     for token in stream(eng, request):

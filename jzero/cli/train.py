@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     from jzero.runtime import distributed, progress, xla_flags
     from jzero.train.resolve import load_config
 
-    raw = read_overridden(args.config, args.set)
+    raw = read_overridden(args.config, args.set, args.hf)
     setting = distributed.settings(args.coordinator, args.num_processes, args.process_id)
     devices = args.devices or raw.get("jzero", {}).get("mesh", {}).get("devices")
     if args.devices:

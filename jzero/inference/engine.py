@@ -263,16 +263,17 @@ def unservable(cfg: gpt.GPTConfig) -> str | None:
 def for_config(config: Config, params: Any, source: str = "params", **settings: Any) -> Engine:
     """The `Engine` of ``config``'s model over ``params`` (checked against the model's shapes;
     ``source`` names where they came from in the error), ``settings`` passed to `Engine`."""
-    if config.jzero.model.name != "gpt":
-        raise ConfigError(f"jzero.model.name: generation serves the gpt model (a KV-cache decoder), got "
-                          f"{config.jzero.model.name!r}")
-    cfg = gpt.gpt_config(config.jzero.model, "none", config)
-    if unservable(cfg):
-        raise ConfigError(f"generation: {unservable(cfg)}")
-    tokens = jax.ShapeDtypeStruct((1, cfg.seq_len), jnp.int32)
-    want = jax.eval_shape(gpt.GPT(cfg).init, jax.random.key(0), tokens)["params"]
+    from jzero import models
+
+    model = models.build(config)
+    if model.name == "gpt" and unservable(model.spec):
+        raise ConfigError(f"generation: {unservable(model.spec)}")
+    if model.decoder is None:
+        raise ConfigError(f"jzero.model.name: generation serves a KV-cache decoder (gpt, llama, a Hugging Face "
+                          f"directory), got {config.jzero.model.name!r}")
+    want = jax.eval_shape(model.init_fn, jax.random.key(0))
     mismatch = treepath.first_mismatch(*({k: tuple(v.shape) for k, v in treepath.named_leaves(t).items()}
                                          for t in (want, params)), "config's model", source)
     if mismatch:
         raise ConfigError(f"{source}: does not fit the config's model: {mismatch}")
-    return Engine(gpt.decoder(cfg), params, **settings)
+    return Engine(model.decoder, params, **settings)

@@ -32,13 +32,13 @@ from jzero.inference.engine import Engine, Prefix
 @dataclass
 class Request:
     """One generation: ``prompt`` token ids, at most ``max_tokens`` new ones, sampled with
-    ``settings`` from ``seed``; ``stop``: a token that ends it (None: none)."""
+    ``settings`` from ``seed``; ``stop``: tokens that end it (a tokenizer's EOS ids; none: none)."""
 
     prompt: np.ndarray
     max_tokens: int
     settings: sampling.SamplingParams = sampling.SamplingParams()
     seed: int = 0
-    stop: int | None = None
+    stop: tuple[int, ...] = ()
     id: int = 0
     arrival: float = 0.0
 
@@ -50,6 +50,7 @@ class Request:
         if not (isinstance(self.max_tokens, int) and self.max_tokens >= 1):
             raise ValueError(f"max_tokens: must be an integer >= 1, got {self.max_tokens!r}")
         self.settings.checked()
+        self.stop = (self.stop,) if isinstance(self.stop, int) else tuple(self.stop or ())
         return self
 
 
@@ -170,7 +171,7 @@ class Scheduler:
         progress.tokens.append(token)
         progress.first_token = now if progress.first_token is None else progress.first_token
         request = progress.request
-        reason = ("stop" if token == request.stop else "length" if len(progress.tokens) >= request.max_tokens
+        reason = ("stop" if token in request.stop else "length" if len(progress.tokens) >= request.max_tokens
                   else "context" if len(request.prompt) + len(progress.tokens) > self.engine.decoder.max_len
                   else None)
         if reason is not None:

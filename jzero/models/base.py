@@ -31,6 +31,7 @@ class Model:
     step_metrics: tuple[str, ...] = ()  # scalars of the loss's aux dict shown and logged every step
     forward: Callable[[Any, Any], Any] | None = None  # (params, inputs) -> outputs, for held-out metrics
     stages: Stages | None = None  # the model cut for a pipeline (None: it cannot be pipelined)
+    decoder: Any = None  # its KV-cached `jzero.models.kvcache.Decoder` (None: it cannot be served)
 
 
 class Stages(NamedTuple):
@@ -58,6 +59,11 @@ def token_batches(seq_len: int, vocab_size: int) -> tuple[Callable[[int], dict],
         return {"inputs": tokens[:, :-1].astype(np.int32), "targets": tokens[:, 1:].astype(np.int32)}
 
     return batch_spec, example_batch
+
+
+def logits_fn(module: Any) -> Callable[[Any, Any], Any]:
+    """(params, tokens [b, T]) -> fp32 logits [b, T, vocab] of a Linen language model."""
+    return lambda params, tokens: module.apply({"params": params}, tokens)
 
 
 def from_section(section: ModelConfig, sizes: dict[str, Any], remat: str, positive: tuple[str, ...]) -> Any:

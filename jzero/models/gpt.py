@@ -23,7 +23,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jzero.config import AttentionConfig, Config, ConfigError, ModelConfig, SparseAttentionConfig
 from jzero.models import attention, tiles
 from jzero.models.adapters import from_linen
-from jzero.models.base import Model, Stages, from_section, token_batches
+from jzero.models.base import Model, Stages, from_section, logits_fn, token_batches
 from jzero.models.kvcache import Decoder, Decoding, KVCache
 from jzero.models.layers import run_stack, scan_layers
 from jzero.models.moe import MoE, MoESpec, MoEStats, spec_from_config
@@ -324,7 +324,9 @@ def build_from(cfg: GPTConfig) -> Model:
                  example_batch=example_batch, tokens_per_example=cfg.seq_len,
                  flops=lambda batch_size: model_flops(cfg, batch_size * cfg.seq_len),
                  step_metrics=MOE_METRICS if cfg.moe is not None else (),
-                 stages=None if cfg.moe is not None else stages(cfg))
+                 stages=None if cfg.moe is not None else stages(cfg),
+                 decoder=decoder(cfg) if cfg.moe is None and cfg.sparse_attention is None else None,
+                 forward=None if cfg.moe is not None else logits_fn(GPT(dataclasses.replace(cfg, loss_tile=0))))
 
 
 MOE_METRICS = ("lm_loss", "moe_aux_loss", "moe_dropped", "moe_load")

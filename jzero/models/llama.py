@@ -10,6 +10,7 @@ table away (`jzero.runtime.hf`) and AutoTP's name rules split it as they split H
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +23,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jzero.config import AttentionConfig, Config, ConfigError
 from jzero.models import attention, rope, tiles
 from jzero.models.adapters import from_linen
-from jzero.models.base import Model, Stages, from_section, token_batches
+from jzero.models.base import Model, Stages, from_section, logits_fn, token_batches
 from jzero.models.gpt import cross_entropy
 from jzero.models.kvcache import Decoder, Decoding, KVCache
 from jzero.models.layers import run_stack, scan_layers
@@ -263,7 +264,8 @@ def build_from(cfg: LlamaConfig) -> Model:
 
     return Model(name="llama", spec=cfg, init_fn=init_fn, loss_fn=loss_fn, batch_spec=batch_spec,
                  example_batch=example_batch, tokens_per_example=cfg.seq_len,
-                 flops=lambda batch_size: model_flops(cfg, batch_size * cfg.seq_len), stages=stages(cfg))
+                 flops=lambda batch_size: model_flops(cfg, batch_size * cfg.seq_len), stages=stages(cfg),
+                 decoder=decoder(cfg), forward=logits_fn(Llama(dataclasses.replace(cfg, loss_tile=0))))
 
 
 SIZES: dict[str, LlamaConfig] = {"tiny": LlamaConfig()}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -17,7 +18,8 @@ import numpy as np
 from jzero import tasks
 from jzero.analysis import profile
 from jzero.config import Config
-from jzero.models import attention
+from jzero.models import attention, hfconfig
+from jzero.runtime import hf
 from jzero.runtime.checkpoint import Checkpointer
 from jzero.runtime.monitor import Monitor, RunSummary
 from jzero.runtime.watchdog import Unwatched, Watchdog
@@ -25,6 +27,15 @@ from jzero.train.state import TrainState, abstract_init, init
 from jzero.train.step import eval_step, train_step
 from jzero.zero import groups
 from jzero.zero.mesh import make_mesh
+
+
+def pretrained(config: Config, model: Any) -> Any:
+    """The weights of ``config``'s Hugging Face directory, read lazily (each device reads its
+    shard: `jzero.runtime.hf`); None for a model trained from scratch."""
+    directory = config.jzero.model.hf
+    if directory is None:
+        return None
+    return hf.lazy_params(directory, hfconfig.spec(config).name, jax.eval_shape(model.init_fn, jax.random.key(0)))
 
 
 class Engine:
@@ -49,7 +60,7 @@ class Engine:
             self.watch.pause()
         else:
             self.state = init(init_fn, config, loss_fn=loss_fn, rng=jax.random.key(config.seed), mesh=mesh,
-                              stages=self.model.stages)
+                              stages=self.model.stages, params=pretrained(config, self.model))
         self.config = self.state.config  # batch rule resolved for the real mesh
 
     def header(self, flags: list[str]) -> list[str]:
@@ -59,8 +70,9 @@ class Engine:
         from jzero.zero.mesh import data_parallel_size
 
         cfg, mesh = self.config, self.state.plan.mesh
+        shape = cfg.jzero.model.hf or cfg.jzero.model.size
         lines = [f"jzero: {self.task.describe}",
-                 f"jzero: {self.model.name.upper()} {cfg.jzero.model.size} ({self.num_params:,} params), ZeRO stage "
+                 f"jzero: {self.model.name.upper()} {shape} ({self.num_params:,} params), ZeRO stage "
                  f"{cfg.zero_optimization.stage}, mesh {dict(mesh.shape)} on {jax.devices()[0].platform}, "
                  f"batch {cfg.train_batch_size} = micro {cfg.train_micro_batch_size_per_gpu} x accum "
                  f"{cfg.gradient_accumulation_steps} x dp {data_parallel_size(mesh)}, remat {cfg.jzero.remat}"]

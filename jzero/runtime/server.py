@@ -58,14 +58,14 @@ def _field(body: dict, name: str, kind: type | tuple, default: Any) -> Any:
     return value
 
 
-def parse(body: Any, vocab_size: int, max_len: int, limits: Limits) -> tuple[Request, bool]:
+def parse(body: Any, tokenizer: text.Ids, max_len: int, limits: Limits) -> tuple[Request, bool]:
     """(the request, whether to stream) of a completions body; FieldError naming what is wrong."""
     if not isinstance(body, dict):
         raise FieldError("body: expected a JSON object")
-    prompt = body.get("prompt")
+    prompt, vocab_size = body.get("prompt"), tokenizer.vocab_size
     if isinstance(prompt, str):
         try:
-            tokens = text.encode(prompt, vocab_size)
+            tokens = tokenizer.encode(prompt)
         except ValueError as e:
             raise FieldError(f"prompt: {e}") from None
     elif isinstance(prompt, list) and all(isinstance(t, int) and 0 <= t < vocab_size for t in prompt):
@@ -80,7 +80,7 @@ def parse(body: Any, vocab_size: int, max_len: int, limits: Limits) -> tuple[Req
                                        _field(body, "top_k", int, 0), float(_field(body, "top_p", number, 1.0)))
     seed = _field(body, "seed", int, None) if "seed" in body else secrets.randbits(31)
     try:
-        request = Request(tokens, max_tokens, settings, seed=seed).checked(max_len)
+        request = Request(tokens, max_tokens, settings, seed=seed, stop=tokenizer.eos).checked(max_len)
     except ValueError as e:
         raise FieldError(str(e)) from None
     return request, bool(_field(body, "stream", bool, False))
@@ -89,8 +89,10 @@ def parse(body: Any, vocab_size: int, max_len: int, limits: Limits) -> tuple[Req
 class Server:
     """The engine thread and the HTTP app around one `Engine`."""
 
-    def __init__(self, engine: Engine, model_name: str, limits: Limits = Limits(), drain_s: float = 30.0):
+    def __init__(self, engine: Engine, model_name: str, limits: Limits = Limits(), drain_s: float = 30.0,
+                 tokenizer: text.Ids | None = None):
         self.engine, self.model_name, self.limits, self.drain_s = engine, model_name, limits, drain_s
+        self.tokenizer = tokenizer or text.for_model(engine.decoder.vocab_size)
         self.scheduler = Scheduler(engine)
         self.submissions: queue.Queue[Request] = queue.Queue()
         self.streams: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -169,7 +171,7 @@ class Server:
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             return _error(400, f"body: not valid JSON ({e})")
         try:
-            request, stream = parse(body, self.engine.decoder.vocab_size, self.engine.decoder.max_len, self.limits)
+            request, stream = parse(body, self.tokenizer, self.engine.decoder.max_len, self.limits)
         except FieldError as e:
             return _error(422, str(e))
         request.id = next(self.ids)
@@ -187,7 +189,7 @@ class Server:
                                                        "finish_reason": finish}]}
 
     async def _whole(self, request: Request, events: asyncio.Queue) -> web.Response:
-        words, tokens = text.Detokenizer(self.engine.decoder.vocab_size), []
+        words, tokens = self.tokenizer.detokenizer(), []
         while True:
             event = await events.get()
             if event is None:
@@ -203,7 +205,7 @@ class Server:
     async def _stream(self, http: web.Request, request: Request, events: asyncio.Queue) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(http)
-        words = text.Detokenizer(self.engine.decoder.vocab_size)
+        words = self.tokenizer.detokenizer()
         while True:
             event = await events.get()
             if event is None:
@@ -224,9 +226,10 @@ def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": {"message": message, "code": status}}, status=status)
 
 
-def serve(engine: Engine, model_name: str, host: str, port: int, limits: Limits, drain_s: float) -> None:
+def serve(engine: Engine, model_name: str, host: str, port: int, limits: Limits, drain_s: float,
+          tokenizer: text.Ids | None = None) -> None:
     """Run the server until SIGTERM or SIGINT (module docstring)."""
-    server = Server(engine, model_name, limits, drain_s)
+    server = Server(engine, model_name, limits, drain_s, tokenizer)
     web.run_app(server.app(), host=host, port=port, shutdown_timeout=drain_s + 5, handle_signals=True,
                 print=lambda _: print(f"jzero: serving {model_name} on http://{host}:{port} "
                                       f"({engine.slots} slots); SIGTERM or Ctrl-C stops it", flush=True))

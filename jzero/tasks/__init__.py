@@ -21,11 +21,12 @@ from jax.sharding import NamedSharding
 from jzero import models
 from jzero.config import Config, ConfigError
 from jzero.inference import engine, scheduler, uncached
-from jzero.models import clip, evoformer, gpt
+from jzero.inference import text as wording
+from jzero.models import clip, evoformer
 from jzero.tasks import images, protein, protein_metrics, text
 from jzero.train.state import TrainState, device_params
 
-SAMPLE_PROMPT = b"def "
+SAMPLE_PROMPT = "def "
 SAMPLE_TOKENS = 160
 PREVIEW = 16  # held-out examples a vision preview shows
 
@@ -52,7 +53,9 @@ def build(config: Config) -> Task:
 
 
 def language(config: Config, model: models.Model) -> Task:
-    corpus = text.load_corpus(config.jzero.data)
+    hf = config.jzero.model.hf
+    tokenizer = wording.for_model(model.spec.vocab_size, hf)
+    corpus = text.load_corpus(config.jzero.data, tokenizer if hf else None)
     cfg = model.spec
     if corpus.vocab_size > cfg.vocab_size:
         raise ConfigError(f"jzero.model.vocab_size: {cfg.vocab_size} is smaller than the data's "
@@ -62,26 +65,28 @@ def language(config: Config, model: models.Model) -> Task:
         tokens = corpus.train if split == "train" else corpus.heldout
         return text.global_batch(tokens, config.seed, split, step, batch_size, cfg.seq_len, sharding)
 
+    prompt = tokenizer.encode(SAMPLE_PROMPT) if tokenizer.text else list(SAMPLE_PROMPT.encode())
+
     def preview(state: TrainState) -> str:
-        tokens = np.asarray(_sample(cfg, device_params(state), config.seed))
-        if corpus.vocab_size != 256:
-            return " ".join(map(str, tokens.tolist()))
-        return (SAMPLE_PROMPT + bytes(tokens.astype(np.uint8))).decode("utf-8", errors="replace")
+        tokens = _sample(model, device_params(state), prompt, config.seed)
+        if not tokenizer.text:
+            return " ".join(map(str, tokens))
+        return SAMPLE_PROMPT + tokenizer.decode(tokens)
 
     return Task(model, text.describe(corpus), batch, lambda state: {}, preview, "sample (temperature 0.8)")
 
 
-def _sample(cfg: gpt.GPTConfig, params: Any, seed: int) -> list[int]:
-    """The preview's tokens after `SAMPLE_PROMPT`: from the KV-cached engine up to `SAMPLE_TOKENS`
+def _sample(model: models.Model, params: Any, prompt: list[int], seed: int) -> list[int]:
+    """The preview's tokens after ``prompt``: from the KV-cached engine up to `SAMPLE_TOKENS`
     or the end of the model's context; a GPT it cannot serve (MoE, sparse) re-runs the forward
     per token over a sliding window (`jzero.inference.uncached`)."""
-    prompt = list(SAMPLE_PROMPT)
-    if engine.unservable(cfg) is None:
+    cfg = model.spec
+    if model.decoder is not None:
         if jax.process_count() > 1:  # the engine is each process's own: every process gets the whole params
             params = multihost_utils.process_allgather(params, tiled=True)
         request = scheduler.Request(prompt, min(SAMPLE_TOKENS, cfg.seq_len - len(prompt) + 1), uncached.PREVIEW,
                                     seed=seed)
-        return list(scheduler.stream(engine.Engine(gpt.decoder(cfg), params, slots=1), request))
+        return list(scheduler.stream(engine.Engine(model.decoder, params, slots=1), request))
     prompt = jnp.asarray(prompt, jnp.int32)
     return jax.device_get(uncached.generate(cfg, params, prompt, SAMPLE_TOKENS, jax.random.key(seed))).tolist()
 
@@ -209,4 +214,5 @@ EVAL_CHAINS, EVAL_BATCH = 64, 16  # held-out sequence chains evaluated (all held
 PROTEIN_METRICS = ("q3_accuracy", "q3_majority", "q8_accuracy", "q8_majority", "distogram_loss",
                    "distogram_loss_separation", "contact_precision_l5", "contact_precision_l5_separation")
 TASKS: dict[str, Callable[[Config, models.Model], Task]] = {
-    "gpt": language, "vit": classification, "mlp": classification, "clip": contrastive, "evoformer": structure}
+    "gpt": language, "llama": language, "vit": classification, "mlp": classification, "clip": contrastive,
+    "evoformer": structure}

@@ -11,9 +11,12 @@ process materialises only its own rows before they become one global array.
 """
 from __future__ import annotations
 
+import json
 import sysconfig
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -34,14 +37,54 @@ class Corpus:
     source: str
 
 
-def load_corpus(cfg: DataConfig) -> Corpus:
-    """The configured corpus (``jzero.data.path``), or the bundled standard-library corpus."""
-    if cfg.path is None:
+def load_corpus(cfg: DataConfig, tokenizer: Any = None) -> Corpus:
+    """The configured corpus (``jzero.data.path``), or the bundled standard-library corpus; with
+    a ``tokenizer`` (`jzero.inference.text.HF`), text read as documents and tokenized."""
+    if tokenizer is not None:
+        if cfg.path is None:
+            raise ConfigError("jzero.data.path: a Hugging Face model trains on your text: give --data FILE "
+                              "(JSON lines of {\"text\": ...}, a text file or a folder of them)")
+        tokens, vocab, source = tokenized(documents(cfg.path), tokenizer), tokenizer.vocab_size, cfg.path
+    elif cfg.path is None:
         tokens, vocab, source = _stdlib_bytes(cfg.max_bytes), 256, "python-stdlib (bundled)"
     else:
         tokens, vocab, source = _user_tokens(cfg)
     cut = int(len(tokens) * (1 - cfg.heldout_fraction))
     return Corpus(train=tokens[:cut], heldout=tokens[cut:], vocab_size=vocab, source=source)
+
+
+def documents(path: str | Path) -> Iterator[str]:
+    """The documents of ``path``: each line of a ``.jsonl`` file (its ``"text"``), a text file
+    whole, or each file of a folder; ConfigError naming the file and line of a bad record."""
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"jzero.data.path: {path} does not exist (JSON lines of {{\"text\": ...}}, a text file "
+                          "or a folder of them)")
+    for file in sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]:
+        if file.suffix != ".jsonl":
+            yield file.read_text(encoding="utf-8", errors="replace")
+            continue
+        for number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"jzero.data.path: {file} line {number}: not JSON ({e.msg})") from None
+            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+                raise ConfigError(f"jzero.data.path: {file} line {number}: expected {{\"text\": \"...\"}}")
+            yield record["text"]
+
+
+def tokenized(docs: Iterable[str], tokenizer: Any) -> np.ndarray:
+    """The documents' tokens in one stream, each followed by the tokenizer's EOS (unless its
+    post-processor already ended it with one), as the bundled corpus runs files together."""
+    eos = tokenizer.eos[0] if tokenizer.eos else None
+    out: list[int] = []
+    for doc in docs:
+        ids = tokenizer.encode(doc)
+        out.extend(ids + ([eos] if eos is not None and (not ids or ids[-1] not in tokenizer.eos) else []))
+    return np.asarray(out, np.int32)
 
 
 def _stdlib_bytes(max_bytes: int) -> np.ndarray:
