@@ -3,11 +3,12 @@ small model per family jzero reads, every parameter re-randomised (default init 
 1 and biases at 0, which hides mapping mistakes), saved sharded with its reference outputs."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 
-VOCAB, HIDDEN, FF, LAYERS, CONTEXT = 128, 48, 80, 3, 64
+VOCAB, HIDDEN, FF, LAYERS, CONTEXT = 300, 48, 80, 3, 64  # the tokenizer's 256 bytes, merges, 3 specials
 ROWS, LENGTH = 4, 40  # the reference batch: tokens [ROWS, LENGTH + 1]
 
 
@@ -15,7 +16,7 @@ def _configs():
     from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FF, num_hidden_layers=LAYERS,
-                  max_position_embeddings=CONTEXT)
+                  max_position_embeddings=CONTEXT, eos_token_id=EOS, bos_token_id=None, pad_token_id=None)
     return {
         # grouped-query attention (6 query heads over 2 kv heads), an explicit head_dim, llama3 scaling
         "llama": LlamaConfig(**common, num_attention_heads=6, num_key_value_heads=2, head_dim=8,
@@ -32,11 +33,38 @@ def _configs():
                              tie_word_embeddings=False,
                              rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0,
                                               "original_max_position_embeddings": 32}),
-        "gpt2": GPT2Config(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=4, n_positions=CONTEXT),
+        "gpt2": GPT2Config(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=4, n_positions=CONTEXT,
+                           eos_token_id=EOS, bos_token_id=EOS),
     }
 
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
+SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+EOS = 0  # <|endoftext|>: special tokens come first in the trained vocabulary
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+TEXTS = ["The quick brown fox jumps over the lazy dog.", "def add(a, b):\n    return a + b\n",
+         "Pack my box with five dozen liquor jugs!", "Ünïcödé text, emoji 🙂 and numbers 12345."]
+
+
+def tokenizer_files(out: Path) -> None:
+    """A byte-level BPE tokenizer (tokenizers' trainer, offline, on the standard library's own
+    sources) of VOCAB ids with `SPECIALS`, its config and a ChatML template, written to ``out``."""
+    import sysconfig
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=list(SPECIALS), show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    tok.train_from_iterator([p.read_text() for p in sorted(stdlib.glob("[a-c]*.py"))[:20]] + TEXTS, trainer)
+    assert tok.get_vocab_size() == VOCAB and tok.token_to_id(SPECIALS[0]) == EOS
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({"eos_token": SPECIALS[0], "chat_template": CHATML}))
 
 
 def make(kind: str, out: Path, dtype: str = "float32") -> dict:
@@ -52,6 +80,7 @@ def make(kind: str, out: Path, dtype: str = "float32") -> dict:
             centre = 1.0 if ("norm" in name or ".ln_" in name) and name.endswith("weight") else 0.0
             p.copy_(torch.randn_like(p) * (0.3 if p.ndim > 1 else 0.5) + centre)
     model.to(getattr(torch, dtype)).save_pretrained(out, max_shard_size="40KB")
+    tokenizer_files(Path(out))
     tokens = torch.randint(0, VOCAB, (ROWS, LENGTH + 1), generator=torch.Generator().manual_seed(7))
     # the reference reads the files back, as a user's transformers would (casting the model
     # itself back to fp32 would keep its rotary frequencies rounded to the checkpoint's dtype)

@@ -157,3 +157,57 @@ def test_loading_streams_one_shard_at_a_time(tmp_path):
     assert total > 3 * largest
     print(f"load: peak {peak - kept} B beyond the {kept} B kept; largest tensor {largest} B, model {total} B")
     assert peak - kept < 2 * largest + 2**20, (peak, kept, largest, total)
+
+
+def transformers_loss(ref, texts):
+    """transformers' mean next-token loss over ``texts``, each tokenized on its own (tokenizers'
+    own ids) and cut to the context: the mean over every predicted position of every document."""
+    import torch
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(ref["dir"] / "tokenizer.json"))
+    total, count = 0.0, 0
+    for doc in texts:
+        ids = torch.tensor([tok.encode(doc).ids[:hf_models.CONTEXT]])
+        with torch.no_grad():
+            logp = torch.log_softmax(ref["model"](ids).logits[0, :-1].float(), -1)
+        total -= float(logp.gather(1, ids[0, 1:, None]).sum())
+        count += ids.shape[1] - 1
+    return total / count, count
+
+
+@pytest.mark.parametrize("kind", ["llama", pytest.param("gpt2", marks=pytest.mark.slow)])
+def test_jzero_eval_equals_transformers_loss(saved, tmp_path, kind):
+    ref = saved[kind]
+    data = tmp_path / "docs.jsonl"
+    texts = hf_models.TEXTS + ["x" * 200]  # the last one longer than the context: cut to it
+    data.write_text("\n".join(json.dumps({"text": t}) for t in texts) + "\n")
+    run = jzero_cli("eval", str(FINETUNE), "--hf", str(ref["dir"]), "--data", str(data), "--devices", "2", "--json")
+    assert run.returncode == 0, run.stderr[-2000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    loss, count = transformers_loss(ref, texts)
+    assert got["documents"] == len(texts) and got["tokens"] == count
+    assert got["loss"] == pytest.approx(loss, rel=1e-4) and got["perplexity"] == pytest.approx(np.exp(loss), rel=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", pytest.param("mistral", marks=pytest.mark.slow),
+                                  pytest.param("qwen3", marks=pytest.mark.slow),
+                                  pytest.param("gpt2", marks=pytest.mark.slow)])
+def test_greedy_generate_equals_transformers(saved, kind):
+    """32 greedy tokens through the KV cache (past the sliding windows: 8 positions) equal
+    transformers' greedy generate on the same prompt ids, stopping at the same EOS."""
+    import torch
+    from tokenizers import Tokenizer
+
+    ref, prompt = saved[kind], "def add(a, b):"
+    run = jzero_cli("generate", str(FINETUNE), "--hf", str(ref["dir"]), "--prompt", prompt, "--temperature", "0",
+                    "--max-tokens", "32", "--devices", "1", "--json")
+    assert run.returncode == 0, run.stderr[-2000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    ids = Tokenizer.from_file(str(ref["dir"] / "tokenizer.json")).encode(prompt).ids
+    assert got["prompt_ids"] == ids
+    with torch.no_grad():
+        out = ref["model"].generate(torch.tensor([ids]), do_sample=False, max_new_tokens=32,
+                                    eos_token_id=hf_models.EOS, pad_token_id=hf_models.EOS)
+    assert got["token_ids"] == out[0, len(ids):].tolist()
+    assert isinstance(got["text"], str)

@@ -89,6 +89,17 @@ def test_matches_plain_optax_loop(p, m, stage, tp, tied, v):
     jax.tree.map(assert_params_close, jax.device_get(state.params), ref_params)
 
 
+@pytest.mark.parametrize("remat", ["none", "names", "offload"])
+def test_every_remat_policy_keeps_its_own_residuals(remat):
+    """A stage stores what its forward's vjp saves under the model's remat policy: every policy
+    gives the plain loop's numbers. "offload" saves to host memory, so the ring lives there (it
+    failed to trace with device zeros before: a user trial of e1851e5)."""
+    ref_losses, ref_params = reference()
+    losses, state = train(pp_config(2, 2, 1), dataclasses.replace(GPT4L, remat=remat))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    jax.tree.map(assert_params_close, jax.device_get(state.params), ref_params)
+
+
 @pytest.mark.parametrize("p,m,v", [(1, 4, 1), (2, 1, 1), (2, 2, 1), (2, 8, 1), (4, 4, 1), (4, 16, 1), (8, 3, 1),
                                    (2, 2, 2), (2, 3, 3), (4, 4, 2), (4, 2, 3), (8, 8, 2)])
 def test_schedule_is_deepspeeds_1f1b_and_circular_goes_round_the_ring(p, m, v):

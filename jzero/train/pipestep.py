@@ -146,7 +146,7 @@ def _schedule(state: Any, stack: Any, ends: Any, rows: Any, scale: Any) -> tuple
     shape = jax.eval_shape(cut.embed, ends, consts0[0])
     _, stored_shapes, saved = residuals.shapes(fns[0], consts0, (chunk0, ends), jnp.zeros(shape.shape, shape.dtype))
     zero_grads = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), (stack, ends))
-    empty = _Empty(jnp.zeros(shape.shape, shape.dtype), [jnp.zeros(r.shape, r.dtype) for r in stored_shapes],
+    empty = _Empty(jnp.zeros(shape.shape, shape.dtype), residuals.zeros(stored_shapes, saved),
                    (jax.tree.map(lambda x: x[0], zero_grads[0]), zero_grads[1]), saved)
 
     def tick(carry, t, perm):
@@ -174,7 +174,7 @@ def _schedule(state: Any, stack: Any, ends: Any, rows: Any, scale: Any) -> tuple
         return tick(tick(carry, 2 * it, even), 2 * it + 1, odd), None
 
     start = (jnp.zeros((slots + 1, *shape.shape), shape.dtype),
-             [jnp.zeros((slots + 1, *r.shape), r.dtype) for r in stored_shapes],
+             residuals.zeros(stored_shapes, saved, (slots + 1,)),
              empty.x, zero_grads, jnp.zeros((), jnp.float32))
     (*_, (g_stack, g_ends), loss_sum), _ = jax.lax.scan(iteration, start, jnp.arange(pipeline.ticks(p, m, v) // 2))
     return loss_sum, g_stack, g_ends

@@ -71,7 +71,7 @@ def full(fn: Callable[..., Any]) -> Callable[..., Any]:
         def bwd(res, ct):
             saved, rest = res
             ct_x, *ct_rest = jax.vjp(recompute, jax.tree.map(bits.restored, saved, dtypes), *rest)[1](ct)
-            return ct_x, *jax.tree.map(_into, ct_rest, list(spaces))
+            return ct_x, *jax.tree.map(into, ct_rest, list(spaces))
 
         layer.defvjp(fwd, bwd)
         return layer(x, *rest)
@@ -79,6 +79,6 @@ def full(fn: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
-def _into(value: jax.Array, space: Any) -> jax.Array:
+def into(value: jax.Array, space: Any) -> jax.Array:
     """``value`` in memory ``space`` (a cotangent goes where its primal lives)."""
     return value if jax.typeof(value).memory_space == space else jax.device_put(value, space)

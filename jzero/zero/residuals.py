@@ -15,6 +15,9 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
+
+from jzero.zero import remat
 
 
 class Saved(NamedTuple):
@@ -23,6 +26,7 @@ class Saved(NamedTuple):
 
     tree: Any
     source: tuple[int | None, ...]
+    spaces: tuple[Any, ...] = ()  # each stored leaf's memory space (the "offload" policy's: host)
 
 
 def forward(fn: Callable[..., Any], consts: Any, params: Any, own: Any) -> tuple[Any, list[jax.Array], Saved]:
@@ -33,7 +37,15 @@ def forward(fn: Callable[..., Any], consts: Any, params: Any, own: Any) -> tuple
     leaves, tree = jax.tree.flatten(pull)
     ids = {id(x): i for i, x in enumerate(jax.tree.leaves((consts, params)))}
     source = tuple(ids.get(id(leaf)) for leaf in leaves)
-    return out, [leaf for leaf, i in zip(leaves, source, strict=True) if i is None], Saved(tree, source)
+    stored = [leaf for leaf, i in zip(leaves, source, strict=True) if i is None]
+    return out, stored, Saved(tree, source, tuple(jax.typeof(leaf).memory_space for leaf in stored))
+
+
+def zeros(shapes: list[Any], saved: Saved, leading: tuple[int, ...] = ()) -> list[jax.Array]:
+    """Zeros shaped as the stored residuals (``leading`` dims first: a ring of them), each in
+    the memory space its residual lives in."""
+    return [remat.into(jnp.zeros((*leading, *s.shape), s.dtype), space)
+            for s, space in zip(shapes, saved.spaces, strict=True)]
 
 
 def pullback(saved: Saved, consts: Any, params: Any, stored: list[jax.Array]) -> Callable[..., Any]:
