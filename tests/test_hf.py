@@ -21,6 +21,9 @@ from jzero.config import ConfigError
 from jzero.models import gpt, hfconfig, llama
 from jzero.runtime import hf
 
+from helpers import ROOT, jzero_cli
+
+FINETUNE = ROOT / "configs" / "hf_finetune.json"
 MODULES = {"llama": llama.Llama, "gpt": gpt.GPT}
 
 

@@ -16,8 +16,8 @@ from jzero.cli.common import UsageError, add_config_arguments, config_on_devices
 
 def add_weights_arguments(parser: argparse.ArgumentParser) -> None:
     """The weights flags of every command that serves a model."""
-    parser.add_argument("--checkpoint", required=True,
-                        help="a jzero checkpoint directory (its newest step), a step directory, or a .safetensors file")
+    parser.add_argument("--checkpoint", help="a jzero checkpoint directory (its newest step), a step directory, or "
+                        "a .safetensors file (default: --hf's weights)")
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="compute dtype (default fp32)")
     parser.add_argument("--weights", choices=["device", "sharded", "host"], default="device",
                         help="device: whole on each device; sharded: split over --devices, gathered a layer at a "
@@ -54,8 +54,10 @@ def engine_from(args: argparse.Namespace, slots: int | None = None) -> tuple:
     from jzero.train.resolve import load_config
 
     config = load_config(raw, dp_size=_trained_dp(raw))
+    if args.checkpoint is None and config.jzero.model.hf is None:
+        raise UsageError("--checkpoint: give the weights (or --hf DIR, a Hugging Face model directory)")
     try:
-        params = read_params(args.checkpoint)
+        params = read_params(args.checkpoint) if args.checkpoint else hf_params(config)
     except FileNotFoundError as e:
         raise UsageError(f"--checkpoint: {e}") from None
     dtype = {"fp32": jnp.float32, "bf16": jnp.bfloat16}[args.dtype]
@@ -66,11 +68,23 @@ def engine_from(args: argparse.Namespace, slots: int | None = None) -> tuple:
                          "splits into blocks of it); try a divisor of the model's width, e.g. 32")
     devices = args.devices or 1
     try:
-        return config, engine.for_config(config, params, f"--checkpoint {args.checkpoint}", slots=slots or devices,
+        source = f"--checkpoint {args.checkpoint}" if args.checkpoint else f"--hf {config.jzero.model.hf}"
+        return config, engine.for_config(config, params, source, slots=slots or devices,
                                          dtype=dtype, devices=devices, weights=args.weights,
                                          int8_block=args.int8_block)
     except ValueError as e:  # the engine's settings: --slots, --devices
         raise UsageError(str(e)) from None
+
+
+def hf_params(config) -> dict:
+    """The weights of ``config``'s Hugging Face directory as host arrays (the engine places them)."""
+    import jax
+
+    from jzero import models
+    from jzero.runtime import engine, hf
+
+    lazy = engine.pretrained(config, models.build(config))
+    return jax.tree.map(lambda leaf: leaf[...], lazy, is_leaf=lambda x: isinstance(x, hf.Lazy))
 
 
 def _trained_dp(raw: dict) -> int:

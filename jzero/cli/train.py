@@ -28,6 +28,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     train = sub.add_parser("train", help="train the reference model from a DeepSpeed-style config")
     add_config_arguments(train)
     train.add_argument("--steps", type=int, help="train this many steps (default: jzero.train.steps)")
+    train.add_argument("--data", metavar="PATH", help="training data (jzero.data.path): with --hf, JSON lines of "
+                       '{"text": ...}, a text file or a folder, tokenized by the model\'s tokenizer')
     train.add_argument("--out", default="runs/jzero", help="output folder for metrics (default: runs/jzero)")
     train.add_argument("--peak-tflops", type=float,
                        help="device peak TFLOP/s for MFU (default: known for H100/H200/A100/TPU, none on CPU)")
@@ -48,6 +50,8 @@ def run(args: argparse.Namespace) -> int:
     from jzero.train.resolve import load_config
 
     raw = read_overridden(args.config, args.set, args.hf)
+    if args.data is not None:
+        raw.setdefault("jzero", {}).setdefault("data", {})["path"] = args.data
     setting = distributed.settings(args.coordinator, args.num_processes, args.process_id)
     devices = args.devices or raw.get("jzero", {}).get("mesh", {}).get("devices")
     if args.devices:
