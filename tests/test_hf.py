@@ -214,3 +214,71 @@ def test_greedy_generate_equals_transformers(saved, kind):
                                     eos_token_id=hf_models.EOS, pad_token_id=hf_models.EOS)
     assert got["token_ids"] == out[0, len(ids):].tolist()
     assert isinstance(got["text"], str)
+
+
+@pytest.mark.slow
+def test_serve_chat_models_api_key_and_n(saved, tmp_path):
+    """`jzero serve --hf DIR --api-key K` on a loopback port, called with a real HTTP client:
+    /v1/ calls without the key get 401; /v1/models lists the model; a chat completion renders the
+    messages with the checkpoint's template as transformers does and answers transformers' greedy
+    tokens (stopping at EOS), whole and streamed (deltas that join to the same text); n = 2 is a
+    422 naming n."""
+    import asyncio
+    import os
+    import subprocess
+    import sys
+
+    import aiohttp
+    import torch
+    from test_serve import _free_port
+    from transformers import AutoTokenizer
+
+    ref, port, key = saved["llama"], _free_port(), "sk-test"
+    proc = subprocess.Popen([sys.executable, "-m", "jzero.cli", "serve", str(FINETUNE), "--hf", str(ref["dir"]),
+                             "--devices", "1", "--port", str(port), "--slots", "2", "--api-key", key],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
+    url, auth = f"http://127.0.0.1:{port}", {"Authorization": f"Bearer {key}"}
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "def add(a, b):"}]
+    ids = AutoTokenizer.from_pretrained(ref["dir"]).apply_chat_template(messages, add_generation_prompt=True,
+                                                                        tokenize=True, return_dict=False)
+    room = hf_models.CONTEXT - len(ids) + 1  # the last token is read off a full context, never cached
+    assert 8 < room < 24
+    with torch.no_grad():
+        want = ref["model"].generate(torch.tensor([ids]), do_sample=False, max_new_tokens=room,
+                                     eos_token_id=hf_models.EOS, pad_token_id=hf_models.EOS)[0, len(ids):].tolist()
+    body = {"messages": messages, "max_tokens": 24, "temperature": 0}  # the context ends it first
+
+    async def calls():
+        async with aiohttp.ClientSession() as session:
+            for _ in range(600):
+                try:
+                    async with session.get(f"{url}/health"):
+                        break
+                except aiohttp.ClientConnectionError:
+                    assert proc.poll() is None, proc.stdout.read()
+                    await asyncio.sleep(0.2)
+            async with session.get(f"{url}/v1/models") as r:
+                assert r.status == 401
+            async with session.get(f"{url}/v1/models", headers=auth) as r:
+                assert r.status == 200 and (await r.json())["data"][0]["id"] == ref["dir"].name
+            async with session.post(f"{url}/v1/chat/completions", json=body, headers=auth) as r:
+                whole = await r.json()
+            async with session.post(f"{url}/v1/chat/completions", json={**body, "stream": True}, headers=auth) as r:
+                chunks = [json.loads(line[6:]) async for line in r.content
+                          if line.startswith(b"data: {")]
+            async with session.post(f"{url}/v1/chat/completions", json={**body, "n": 2}, headers=auth) as r:
+                refused = r.status, await r.json()
+            return whole, chunks, refused
+
+    try:
+        whole, chunks, refused = asyncio.run(calls())
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    choice = whole["choices"][0]
+    assert whole["object"] == "chat.completion" and choice["token_ids"] == want
+    assert choice["finish_reason"] == ("stop" if hf_models.EOS in want else "length")
+    assert choice["message"]["role"] == "assistant"
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert "".join(c["choices"][0]["delta"]["content"] for c in chunks) == choice["message"]["content"]
+    assert refused[0] == 422 and refused[1]["error"]["message"].startswith("n:")

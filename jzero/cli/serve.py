@@ -6,13 +6,16 @@ flight (up to ``--drain`` seconds) and exits 0.
 from __future__ import annotations
 
 import argparse
+import os
+from pathlib import Path
 
 from jzero.cli.common import UsageError, add_config_arguments
 from jzero.cli.generate import add_weights_arguments, engine_from
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    srv = sub.add_parser("serve", help="serve a trained GPT: OpenAI-style POST /v1/completions, GET /health")
+    srv = sub.add_parser("serve", help="serve a model: OpenAI-style /v1/completions, /v1/chat/completions, "
+                         "/v1/models, GET /health")
     add_config_arguments(srv)
     add_weights_arguments(srv)
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
@@ -21,6 +24,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     srv.add_argument("--max-tokens-limit", type=int, default=256, help="most tokens one request may ask (default 256)")
     srv.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
     srv.add_argument("--drain", type=float, default=30.0, help="seconds to finish in-flight requests on SIGTERM")
+    srv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/ calls (env JZERO_API_KEY)")
     srv.set_defaults(func=run)
 
 
@@ -34,8 +38,13 @@ def run(args: argparse.Namespace) -> int:
         from jzero.runtime import server
     except ModuleNotFoundError as e:
         raise UsageError(f"jzero serve needs aiohttp: pip install 'jzero[serve]' ({e})") from None
+    from jzero.inference import text
+
     config, engine = engine_from(args, slots=args.slots)
-    server.serve(engine, config.jzero.model.size or "gpt", args.host, args.port,
-                 server.Limits(args.max_tokens_limit, args.max_body_bytes), args.drain)
+    hf = config.jzero.model.hf
+    name = Path(hf).name if hf else config.jzero.model.size or "gpt"
+    key = args.api_key or os.environ.get("JZERO_API_KEY")
+    server.serve(engine, name, args.host, args.port, server.Limits(args.max_tokens_limit, args.max_body_bytes),
+                 args.drain, text.for_model(engine.decoder.vocab_size, hf), key)
     print("jzero: serve stopped cleanly", flush=True)
     return 0

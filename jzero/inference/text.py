@@ -26,7 +26,8 @@ class Ids:
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, special: bool = True) -> list[int]:
+        """``text`` as ids; ``special``: with the special tokens the tokenizer adds (BOS)."""
         raise ValueError(f"text needs a tokenizer: this model has vocab {self.vocab_size} and no tokenizer.json "
                          f"(byte-level models have vocab {BYTE_VOCAB}): send token ids")
 
@@ -48,7 +49,7 @@ class Bytes(Ids):
     def __init__(self):
         super().__init__(BYTE_VOCAB)
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, special: bool = True) -> list[int]:
         return list(text.encode("utf-8"))
 
     def detokenizer(self) -> Any:
@@ -95,8 +96,8 @@ class HF(Ids):
             ids.add(self.tokenizer.token_to_id(self.special["eos_token"]))
         self.eos = tuple(sorted(ids))
 
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text).ids
+    def encode(self, text: str, special: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=special).ids
 
     def decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)

@@ -1,8 +1,14 @@
 """`jzero serve`: an OpenAI-style completions server over the continuous-batching scheduler.
 
-``POST /v1/completions`` takes ``prompt`` (text for a byte-level model, or a list of token ids),
-``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed`` and ``stream``; it answers one
-JSON completion, or with ``stream`` server-sent events (a chunk per token, then ``[DONE]``).
+``POST /v1/completions`` takes ``prompt`` (text, through the model's tokenizer, or a list of
+token ids), ``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed`` and ``stream``; it
+answers one JSON completion, or with ``stream`` server-sent events (a chunk per token, then
+``[DONE]``). ``POST /v1/chat/completions`` takes ``messages`` instead, rendered with the
+tokenizer's chat template (`jzero.inference.text.HF.chat`, ``add_generation_prompt``), and
+answers OpenAI's chat shapes (``message``; streamed, ``delta``s). Both stop at the tokenizer's
+EOS ids and take ``n`` = 1 only (422 otherwise: one completion a request). ``GET /v1/models``
+lists the one model. With an API key (``--api-key`` or ``JZERO_API_KEY``) every ``/v1/`` call
+needs ``Authorization: Bearer KEY`` (401 otherwise), as OpenAI-compatible servers do.
 ``GET /health`` says whether it takes requests, how busy it is and what the engine compiled
 (each program and prompt bucket once: a recompile would show here).
 
@@ -58,12 +64,30 @@ def _field(body: dict, name: str, kind: type | tuple, default: Any) -> Any:
     return value
 
 
-def parse(body: Any, tokenizer: text.Ids, max_len: int, limits: Limits) -> tuple[Request, bool]:
-    """(the request, whether to stream) of a completions body; FieldError naming what is wrong."""
+def chat_prompt(body: Any, tokenizer: text.Ids) -> list[int]:
+    """The token ids of a chat body's ``messages`` rendered by the chat template (the template
+    writes the special tokens itself, so the tokenizer adds none); FieldError naming the field."""
+    messages = body.get("messages") if isinstance(body, dict) else None
+    if not (isinstance(messages, list) and messages and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages)):
+        raise FieldError('messages: expected a non-empty list of {"role": "...", "content": "..."}')
+    try:
+        return tokenizer.encode(tokenizer.chat(messages, add_generation_prompt=True), special=False)
+    except ValueError as e:
+        raise FieldError(f"messages: {e}") from None
+
+
+def parse(body: Any, tokenizer: text.Ids, max_len: int, limits: Limits,
+          tokens: list[int] | None = None) -> tuple[Request, bool]:
+    """(the request, whether to stream) of a completions body (``tokens``: a chat's rendered
+    prompt instead of its ``prompt``); FieldError naming what is wrong."""
     if not isinstance(body, dict):
         raise FieldError("body: expected a JSON object")
     prompt, vocab_size = body.get("prompt"), tokenizer.vocab_size
-    if isinstance(prompt, str):
+    if tokens is not None:
+        pass
+    elif isinstance(prompt, str):
         try:
             tokens = tokenizer.encode(prompt)
         except ValueError as e:
@@ -72,6 +96,8 @@ def parse(body: Any, tokenizer: text.Ids, max_len: int, limits: Limits) -> tuple
         tokens = prompt
     else:
         raise FieldError(f"prompt: expected a string or a list of token ids in 0..{vocab_size - 1}")
+    if _field(body, "n", int, 1) != 1:
+        raise FieldError(f"n: one completion a request (n = 1), got {body['n']}")
     max_tokens = _field(body, "max_tokens", int, 16)
     if not 1 <= max_tokens <= limits.max_tokens:
         raise FieldError(f"max_tokens: must be in 1..{limits.max_tokens}, got {max_tokens}")
@@ -90,8 +116,9 @@ class Server:
     """The engine thread and the HTTP app around one `Engine`."""
 
     def __init__(self, engine: Engine, model_name: str, limits: Limits = Limits(), drain_s: float = 30.0,
-                 tokenizer: text.Ids | None = None):
+                 tokenizer: text.Ids | None = None, api_key: str | None = None):
         self.engine, self.model_name, self.limits, self.drain_s = engine, model_name, limits, drain_s
+        self.api_key = api_key
         self.tokenizer = tokenizer or text.for_model(engine.decoder.vocab_size)
         self.scheduler = Scheduler(engine)
         self.submissions: queue.Queue[Request] = queue.Queue()
@@ -130,13 +157,28 @@ class Server:
 
     # --- HTTP ------------------------------------------------------------------------------------
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.limits.max_body_bytes)
+        app = web.Application(client_max_size=self.limits.max_body_bytes, middlewares=[self._authorized])
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.on_startup.append(self._start)
         app.on_shutdown.append(self._drain)
         app.on_cleanup.append(self._stop)
         return app
+
+    @web.middleware
+    async def _authorized(self, http: web.Request, handler: Any) -> web.StreamResponse:
+        """401 for a ``/v1/`` call without the API key (when the server has one)."""
+        given = http.headers.get("Authorization", "")
+        if self.api_key and http.path.startswith("/v1/") and not secrets.compare_digest(
+                given.encode(), f"Bearer {self.api_key}".encode()):
+            return _error(401, "Authorization: expected 'Bearer <the server's API key>'")
+        return await handler(http)
+
+    async def models(self, _: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "jzero"}]})
 
     async def _start(self, _: web.Application) -> None:
         self.thread.start()
@@ -162,6 +204,12 @@ class Server:
         return web.json_response({"status": "ok", "model": self.model_name, **busy})
 
     async def completions(self, http: web.Request) -> web.StreamResponse:
+        return await self._answer(http, chat=False)
+
+    async def chat_completions(self, http: web.Request) -> web.StreamResponse:
+        return await self._answer(http, chat=True)
+
+    async def _answer(self, http: web.Request, chat: bool) -> web.StreamResponse:
         if self.failed or self.draining:
             return _error(503, f"the engine failed: {self.failed}" if self.failed else "the server is shutting down")
         try:
@@ -171,7 +219,8 @@ class Server:
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             return _error(400, f"body: not valid JSON ({e})")
         try:
-            request, stream = parse(body, self.tokenizer, self.engine.decoder.max_len, self.limits)
+            tokens = chat_prompt(body, self.tokenizer) if chat else None
+            request, stream = parse(body, self.tokenizer, self.engine.decoder.max_len, self.limits, tokens)
         except FieldError as e:
             return _error(422, str(e))
         request.id = next(self.ids)
@@ -179,16 +228,26 @@ class Server:
         self.streams[request.id] = (asyncio.get_running_loop(), events)
         try:
             self.submissions.put(request)
-            return await (self._stream(http, request, events) if stream else self._whole(request, events))
+            return await (self._stream(http, request, events, chat) if stream else self._whole(request, events, chat))
         finally:
             del self.streams[request.id]
 
-    def _chunk(self, request: Request, text: str, tokens: list[int], finish: str | None) -> dict:
-        return {"id": f"cmpl-{request.id}", "object": "text_completion", "created": int(time.time()),
-                "model": self.model_name, "choices": [{"index": 0, "text": text, "token_ids": tokens,
-                                                       "finish_reason": finish}]}
+    def _chunk(self, request: Request, text: str, tokens: list[int], finish: str | None, chat: bool = False,
+               whole: bool = True, first: bool = False) -> dict:
+        """A completion (``whole``) or one streamed chunk of it (the ``first`` says the role), in
+        OpenAI's text or chat shape."""
+        choice: dict[str, Any] = {"index": 0, "token_ids": tokens, "finish_reason": finish}
+        if not chat:
+            choice["text"] = text
+        elif whole:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
+        kind = ("chat.completion" if whole else "chat.completion.chunk") if chat else "text_completion"
+        return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{request.id}", "object": kind, "created": int(time.time()),
+                "model": self.model_name, "choices": [choice]}
 
-    async def _whole(self, request: Request, events: asyncio.Queue) -> web.Response:
+    async def _whole(self, request: Request, events: asyncio.Queue, chat: bool) -> web.Response:
         words, tokens = self.tokenizer.detokenizer(), []
         while True:
             event = await events.get()
@@ -196,24 +255,26 @@ class Server:
                 return _error(503, "the server shut down before the completion finished")
             tokens.append(event.token)
             if event.finished:
-                body = self._chunk(request, words.of(tokens), tokens, FINISH[event.finished])
+                body = self._chunk(request, words.of(tokens), tokens, FINISH[event.finished], chat)
                 body["seed"] = request.seed
                 body["usage"] = {"prompt_tokens": len(request.prompt), "completion_tokens": len(tokens),
                                  "total_tokens": len(request.prompt) + len(tokens)}
                 return web.json_response(body)
 
-    async def _stream(self, http: web.Request, request: Request, events: asyncio.Queue) -> web.StreamResponse:
+    async def _stream(self, http: web.Request, request: Request, events: asyncio.Queue,
+                      chat: bool) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(http)
-        words = self.tokenizer.detokenizer()
+        words, sent = self.tokenizer.detokenizer(), 0
         while True:
             event = await events.get()
             if event is None:
                 await response.write(b'data: {"error": "the server shut down before the completion finished"}\n\n')
                 break
             piece = words.piece(event.token) + (words.flush() if event.finished else "")
-            chunk = self._chunk(request, piece, [event.token],
-                                FINISH.get(event.finished))
+            sent += 1
+            chunk = self._chunk(request, piece, [event.token], FINISH.get(event.finished), chat, whole=False,
+                                first=sent == 1)
             await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
             if event.finished:
                 await response.write(b"data: [DONE]\n\n")
@@ -227,9 +288,9 @@ def _error(status: int, message: str) -> web.Response:
 
 
 def serve(engine: Engine, model_name: str, host: str, port: int, limits: Limits, drain_s: float,
-          tokenizer: text.Ids | None = None) -> None:
+          tokenizer: text.Ids | None = None, api_key: str | None = None) -> None:
     """Run the server until SIGTERM or SIGINT (module docstring)."""
-    server = Server(engine, model_name, limits, drain_s, tokenizer)
+    server = Server(engine, model_name, limits, drain_s, tokenizer, api_key)
     web.run_app(server.app(), host=host, port=port, shutdown_timeout=drain_s + 5, handle_signals=True,
                 print=lambda _: print(f"jzero: serving {model_name} on http://{host}:{port} "
                                       f"({engine.slots} slots); SIGTERM or Ctrl-C stops it", flush=True))
