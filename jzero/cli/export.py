@@ -1,19 +1,39 @@
-"""``jzero export CHECKPOINT OUT.safetensors``: a checkpoint's params as one safetensors file."""
+"""``jzero export CHECKPOINT OUT.safetensors``: a checkpoint's params as one safetensors file;
+``jzero export CHECKPOINT --hf OUT``: as a Hugging Face directory (`jzero.runtime.hfexport`)."""
 from __future__ import annotations
 
 import argparse
 
+from jzero.cli.common import UsageError
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    exp = sub.add_parser("export", help="write a checkpoint's params as one safetensors file")
+    exp = sub.add_parser("export", help="write a checkpoint's params as a safetensors file or a Hugging Face directory")
     exp.add_argument("checkpoint", help="a checkpoint directory (its newest readable step) or one step directory")
-    exp.add_argument("out", help="the .safetensors file to write")
+    exp.add_argument("out", nargs="?", help="the .safetensors file to write (not with --hf)")
+    exp.add_argument("--hf", metavar="DIR", help="write a Hugging Face directory (config.json, sharded safetensors "
+                     "with the index, the tokenizer) of the architecture the checkpoint was trained from")
+    exp.add_argument("--max-shard-size", default="5GB", help="with --hf: the largest shard (default 5GB)")
     exp.add_argument("--dtype", choices=["fp32", "bf16"], help="cast floating params (default: as saved)")
     exp.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from jzero.runtime.monitor import mib
+
+    if (args.out is None) == (args.hf is None):
+        raise UsageError("jzero export: give OUT.safetensors or --hf DIR (one of them)")
+    if args.hf is not None:
+        from jzero.runtime.hfexport import export_hf, shard_bytes
+
+        try:
+            shard_bytes(args.max_shard_size)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        written = export_hf(args.checkpoint, args.hf, args.dtype, args.max_shard_size)
+        print(f"jzero: wrote {written['tensors']} tensors ({mib(written['bytes'])}) in {written['shards']} shard(s) "
+              f"from step {written['step']} of {args.checkpoint} to {written['path']}")
+        return 0
     from jzero.runtime.weights import export
 
     written = export(args.checkpoint, args.out, args.dtype)

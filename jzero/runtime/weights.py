@@ -71,7 +71,7 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike, dtype: str | N
     tmp = out.with_name(out.name + ".tmp")
     try:
         with open(tmp, "wb") as f:
-            _write_header(f, header)
+            write_header(f, header)
             for name, (_, out_dtype, _, _, _) in layout.items():
                 np.ascontiguousarray(ckpt.read_array(step, name).astype(out_dtype, copy=False)).tofile(f)
         os.replace(tmp, out)
@@ -124,7 +124,7 @@ def _cast_dtype(saved: np.dtype, dtype: str | None) -> np.dtype:
     return DTYPES[dtype] if dtype is not None and floating else saved
 
 
-def _write_header(f: Any, header: dict[str, Any]) -> None:
+def write_header(f: Any, header: dict[str, Any]) -> None:
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-(len(text) + 8) % _ALIGN)
     f.write(struct.pack("<Q", len(text)))
