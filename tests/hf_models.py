@@ -3,7 +3,6 @@ small model per family jzero reads, every parameter re-randomised (default init 
 1 and biases at 0, which hides mapping mistakes), saved sharded with its reference outputs."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -39,32 +38,16 @@ def _configs():
 
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
-SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-EOS = 0  # <|endoftext|>: special tokens come first in the trained vocabulary
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+EOS = 0  # <|endoftext|>: the example's tokenizer puts its special tokens first
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "def add(a, b):\n    return a + b\n",
          "Pack my box with five dozen liquor jugs!", "Ünïcödé text, emoji 🙂 and numbers 12345."]
 
 
 def tokenizer_files(out: Path) -> None:
-    """A byte-level BPE tokenizer (tokenizers' trainer, offline, on the standard library's own
-    sources) of VOCAB ids with `SPECIALS`, its config and a ChatML template, written to ``out``."""
-    import sysconfig
+    """examples/hf_tiny_llama.py's tokenizer (byte-level BPE, ChatML template) at VOCAB ids."""
+    from test_examples import load_example
 
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=list(SPECIALS), show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    tok.train_from_iterator([p.read_text() for p in sorted(stdlib.glob("[a-c]*.py"))[:20]] + TEXTS, trainer)
-    assert tok.get_vocab_size() == VOCAB and tok.token_to_id(SPECIALS[0]) == EOS
-    out.mkdir(parents=True, exist_ok=True)
-    tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({"eos_token": SPECIALS[0], "chat_template": CHATML}))
+    assert load_example("hf_tiny_llama").write_tokenizer(out, VOCAB, TEXTS) == EOS
 
 
 def make(kind: str, out: Path, dtype: str = "float32") -> dict:

@@ -286,7 +286,8 @@ def test_serve_chat_models_api_key_and_n(saved, tmp_path):
 
 @pytest.mark.parametrize("kind", ["qwen2", pytest.param("gpt2", marks=pytest.mark.slow)])
 def test_export_round_trip_loads_in_transformers(saved, tmp_path, kind):
-    """Fine-tune 3 steps at ZeRO-3 on 4 devices (the warmup's lr is 0 for the first two), export with --hf in shards: transformers loads
+    """Fine-tune 3 steps at ZeRO-3 on 4 devices (the warmup's lr is 0 for the first two), export
+    with --hf in shards: transformers loads
     the directory with no missing or unexpected key and computes the checkpoint's logits; the
     tokenizer came along; a second export into the same place is refused."""
     import torch
