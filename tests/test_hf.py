@@ -7,6 +7,7 @@ ZeRO-3 with tensor parallelism 2, the params read shard by shard into their fina
 directories are one line naming the tensor, key or file."""
 import dataclasses
 import json
+import re
 import tracemalloc
 
 import hf_models
@@ -317,3 +318,42 @@ def test_export_round_trip_loads_in_transformers(saved, tmp_path, kind):
     assert not np.allclose(theirs, ref["logits"], atol=1e-3)  # trained: not the starting weights
     again = jzero_cli("export", str(out / "checkpoints"), "--hf", str(export))
     assert again.returncode == 2 and "exists and is not empty" in again.stderr
+
+
+def transformers4(directory):
+    """config.json in transformers 4.x's spelling: rope_theta and rope_scaling, torch_dtype."""
+    path = directory / "config.json"
+    raw = json.loads(path.read_text())
+    rope = dict(raw.pop("rope_parameters"))
+    raw["rope_theta"] = rope.pop("rope_theta")
+    raw["rope_scaling"] = {"type" if rope.get("rope_type") == "linear" else "rope_type": rope.pop("rope_type"),
+                           **rope} if rope.get("rope_type", "default") != "default" else None
+    raw["torch_dtype"] = raw.pop("dtype")
+    path.write_text(json.dumps(raw))
+
+
+def test_transformers_4_spelling_reads_the_same(saved, tmp_path):
+    ref = saved["llama"]  # llama3 scaling: the rope settings must come through the old keys
+    directory = edited(saved, tmp_path, "llama", transformers4)
+    raw = json.loads((directory / "config.json").read_text())
+    assert "rope_parameters" not in raw and raw["rope_scaling"]["rope_type"] == "llama3" and "torch_dtype" in raw
+    assert hfconfig.from_dict(raw).model == hfconfig.from_dict(hfconfig.read(ref["dir"])).model
+    assert_logits_close(logits_of(directory, ref["tokens"][:, :-1]), ref["logits"])
+
+
+def drop_tokenizer(directory):
+    (directory / "tokenizer.json").unlink()
+
+
+@pytest.mark.parametrize("change,match", [
+    (drop_tokenizer, r"jzero: error: jzero\.model\.hf: \S+tokenizer\.json not found"),
+    (set_config(model_type="falcon"), r"jzero: error: config\.json model_type: 'falcon' is not supported"),
+    (None, r"jzero: error: --data: \S+bad\.jsonl line 2: not JSON"),
+])
+def test_cli_refuses_a_bad_directory_or_data_in_one_line_exit_2(saved, tmp_path, change, match):
+    directory = edited(saved, tmp_path, "llama", change or (lambda d: None))
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"text": "fine"}\n{"text": oops}\n')
+    run = jzero_cli("eval", str(FINETUNE), "--hf", str(directory), "--data", str(data), "--devices", "1")
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr[-2000:]
+    assert re.search(match, run.stderr.strip().splitlines()[-1]), run.stderr[-500:]

@@ -28,6 +28,7 @@ def run(args: argparse.Namespace) -> int:
     import jax
 
     from jzero import models
+    from jzero.config import ConfigError
     from jzero.inference import text
     from jzero.runtime import engine, evaluate
     from jzero.runtime.weights import read_params
@@ -47,8 +48,10 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--checkpoint: {e}") from None
     state = init(model.init_fn, config, loss_fn=model.loss_fn, rng=0, params=params, stages=model.stages)
     try:
-        docs = [tokenizer.encode(doc) for doc in documents(args.data)]
-    except ValueError as e:
+        docs = [tokenizer.encode(doc) for doc in documents(args.data, key="--data")]
+    except ConfigError:
+        raise
+    except ValueError as e:  # a model without a tokenizer
         raise UsageError(f"--data: {e}") from None
     tokens, mask = evaluate.rows(docs, model.spec.seq_len)
     devices = jax.device_count()

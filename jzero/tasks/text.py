@@ -53,12 +53,12 @@ def load_corpus(cfg: DataConfig, tokenizer: Any = None) -> Corpus:
     return Corpus(train=tokens[:cut], heldout=tokens[cut:], vocab_size=vocab, source=source)
 
 
-def documents(path: str | Path) -> Iterator[str]:
+def documents(path: str | Path, key: str = "jzero.data.path") -> Iterator[str]:
     """The documents of ``path``: each line of a ``.jsonl`` file (its ``"text"``), a text file
-    whole, or each file of a folder; ConfigError naming the file and line of a bad record."""
+    whole, or each file of a folder; ConfigError naming ``key``, the file and line of a bad record."""
     path = Path(path)
     if not path.exists():
-        raise ConfigError(f"jzero.data.path: {path} does not exist (JSON lines of {{\"text\": ...}}, a text file "
+        raise ConfigError(f"{key}: {path} does not exist (JSON lines of {{\"text\": ...}}, a text file "
                           "or a folder of them)")
     for file in sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]:
         if file.suffix != ".jsonl":
@@ -70,9 +70,9 @@ def documents(path: str | Path) -> Iterator[str]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ConfigError(f"jzero.data.path: {file} line {number}: not JSON ({e.msg})") from None
+                raise ConfigError(f"{key}: {file} line {number}: not JSON ({e.msg})") from None
             if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                raise ConfigError(f"jzero.data.path: {file} line {number}: expected {{\"text\": \"...\"}}")
+                raise ConfigError(f"{key}: {file} line {number}: expected {{\"text\": \"...\"}}")
             yield record["text"]
 
 
