@@ -56,9 +56,9 @@ def check_split(config: Config, spec: object) -> None:
     """ConfigError naming the key when tensor or sequence parallelism cannot split the model:
     Ulysses needs token sequences (the GPT's), and each device takes whole heads."""
     tp, sp, name = config.tensor_parallel.size, config.sequence_parallel_size, config.jzero.model.name
-    if sp > 1 and name != "gpt":
+    if sp > 1 and not hasattr(spec, "vocab_size"):
         raise ConfigError(f"sequence_parallel_size: {sp} splits token sequences; the {name!r} model has none "
-                          "(only jzero.model.name 'gpt')")
+                          "(language models only: gpt, llama, a Hugging Face directory)")
     heads = getattr(spec, "n_heads", None)
     if heads is not None and heads % tp:
         raise ConfigError(f"tensor_parallel.autotp_size: {tp} does not divide jzero.model.n_heads {heads} "
