@@ -392,3 +392,18 @@ def test_linear_rope_scaling_equals_transformers(saved, tmp_path):
         theirs = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()(
             torch.tensor(tokens)).logits.numpy()
     assert_logits_close(logits_of(directory, tokens), theirs)
+
+
+def test_a_shape_key_beside_hf_is_refused_naming_it(saved):
+    """The directory decides the model's shape: a config that also says n_layers would be
+    silently ignored, so it is refused; seq_len (shorter than the context) and loss_tile pass."""
+    directory = str(saved["llama"]["dir"])
+    with pytest.raises(ConfigError, match=r"^jzero\.model\.n_layers: the Hugging Face directory .* sets the model"):
+        hfconfig.spec(jzero.load_config({"train_batch_size": 8, "jzero": {"mesh": {"devices": 1}, "model": {
+            "hf": directory, "n_layers": 4}}}))
+    spec = hfconfig.spec(jzero.load_config({"train_batch_size": 8, "jzero": {"mesh": {"devices": 1}, "model": {
+        "hf": directory, "seq_len": 32, "loss_tile": 0}}}))
+    assert (spec.model.seq_len, spec.model.loss_tile, spec.model.n_layers) == (32, 0, hf_models.LAYERS)
+    with pytest.raises(ConfigError, match=r"^jzero\.model\.seq_len: 65 is longer than the model's context 64"):
+        hfconfig.spec(jzero.load_config({"train_batch_size": 8, "jzero": {"mesh": {"devices": 1}, "model": {
+            "hf": directory, "seq_len": 65}}}))

@@ -21,6 +21,8 @@ from jzero.models.llama import LlamaConfig
 LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 FAMILY = {**{t: "llama" for t in LLAMA_TYPES}, "gpt2": "gpt"}
 DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+# jzero.model keys a directory's config.json decides
+SHAPE_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "positions", "tie_embeddings", "mlp_tile")
 
 
 class Spec(NamedTuple):
@@ -50,8 +52,14 @@ def spec(config: Config) -> Spec:
     if section.hf is None:
         raise ConfigError("jzero.model.hf: the llama model is read from a Hugging Face directory; give one "
                           "(--hf DIR or jzero.model.hf)")
-    return from_dict(read(section.hf), seq_len=section.seq_len, remat=config.jzero.remat,
-                     attention=section.attention)
+    for key in SHAPE_KEYS:
+        if getattr(section, key) is not None:
+            raise ConfigError(f"jzero.model.{key}: the Hugging Face directory {section.hf} sets the model's shape; "
+                              f"remove it (only seq_len, attention and loss_tile may be given with hf)")
+    out = from_dict(read(section.hf), seq_len=section.seq_len, remat=config.jzero.remat, attention=section.attention)
+    if section.loss_tile is not None:
+        out = out._replace(model=dataclasses.replace(out.model, loss_tile=section.loss_tile))
+    return out
 
 
 def from_dict(raw: dict, seq_len: int | None = None, remat: str = "full", attention: Any = None) -> Spec:
