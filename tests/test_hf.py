@@ -407,3 +407,12 @@ def test_a_shape_key_beside_hf_is_refused_naming_it(saved):
     with pytest.raises(ConfigError, match=r"^jzero\.model\.seq_len: 65 is longer than the model's context 64"):
         hfconfig.spec(jzero.load_config({"train_batch_size": 8, "jzero": {"mesh": {"devices": 1}, "model": {
             "hf": directory, "seq_len": 65}}}))
+
+
+def test_a_pipeline_over_layers_with_different_windows_is_refused(saved):
+    """Qwen2's windows on layers 1-2 only: one program for every stage cannot tell a chunk's
+    layers apart, so the pipeline is refused naming the key and the reason."""
+    cfg = jzero.load_config({"train_batch_size": 8, "gradient_accumulation_steps": 2, "pipeline": {"stages": 3},
+                             "jzero": {"mesh": {"devices": 3}, "model": {"hf": str(saved["qwen2"]["dir"])}}})
+    with pytest.raises(ConfigError, match=r"^pipeline\.stages: 3 needs every layer to attend alike; .*\[0, 8\]"):
+        models.build(cfg)

@@ -127,6 +127,10 @@ def run(args: argparse.Namespace) -> int:
                           seed=args.seed, stop=tuple(stops)).checked(eng.decoder.max_len)
     except ValueError as e:
         raise UsageError(f"--{str(e).replace('_', '-')}") from None
+    room = eng.decoder.max_len - len(tokens) + 1
+    if args.max_tokens > room:
+        print(f"jzero: warning: --max-tokens {args.max_tokens}: the model's context ({eng.decoder.max_len}) "
+              f"leaves room for {room} after the {len(tokens)}-token prompt", file=sys.stderr)
     words = tokenizer.detokenizer()
     if args.json:
         generated = list(stream(eng, request))

@@ -25,6 +25,10 @@ def build(config: Config) -> Model:
     by tensor and sequence parallelism included)."""
     model = _reference(config)
     check_split(config, model.spec)
+    windows = set(getattr(model.spec, "windows", ()))
+    if config.pipeline.stages > 1 and len(windows) > 1:
+        raise ConfigError(f"pipeline.stages: {config.pipeline.stages} needs every layer to attend alike; this "
+                          f"model's layers have different sliding windows ({sorted(windows)}; 0 = full attention)")
     return model
 
 
