@@ -13,8 +13,10 @@ Semantics: q ``[b, T, h, d]``, k / v ``[b, S, kv, d]`` (grouped-query when kv di
 head i reads key head i // (h / kv)); ``bias`` broadcastable to ``[b, h, T, S]``, added to the
 scaled scores (gradients flow to it); ``mask`` boolean, likewise, True where a query may attend;
 ``causal``: query i sees keys up to i + S - T (aligned at the end, as decoding needs); ``layout``:
-``[1 or h, T / block, S / block]`` blocks that may attend. A query row that can attend to nothing
-gives 0 and passes no gradient, never NaN.
+``[1 or h, T / block, S / block]`` blocks that may attend; ``segments``: int ids (one ``[b, T]``
+array for self-attention, or q's ``[b, T]`` and k's ``[b, S]``), a query attending only keys of
+its own segment (documents packed into one row; blockwise tests them tile by tile, no ``[T, S]``
+mask). A query row that can attend to nothing gives 0 and passes no gradient, never NaN.
 """
 from __future__ import annotations
 
@@ -60,7 +62,13 @@ def _allowed(t: int, s: int, mask: jax.Array | None, causal: bool, layout: np.nd
     return ok if mask is None else ok & mask
 
 
-def _naive(q, k, v, bias, mask, causal, layout, **_) -> jax.Array:
+def _same_segment(segments: tuple[jax.Array, jax.Array]) -> jax.Array:
+    """``[b, 1, T, S]`` bool: query and key in the same segment."""
+    sq, sk = segments
+    return (sq[:, :, None] == sk[:, None, :])[:, None]
+
+
+def _naive(q, k, v, bias, mask, causal, layout, segments=None, **_) -> jax.Array:
     """The whole score matrix in fp32 and ``jax.nn.softmax`` (whose backward needs only its
     output). Keys a row may not attend (masked, or biased to -inf) score -1e30, not -inf: a row
     with none gets a finite uniform softmax, and its output is then set to 0 (so it passes no
@@ -72,6 +80,8 @@ def _naive(q, k, v, bias, mask, causal, layout, **_) -> jax.Array:
     if bias is not None:
         scores = scores + bias.astype(jnp.float32)
     ok = _allowed(t, s, mask, causal, layout)
+    if segments is not None:
+        ok = ok & _same_segment(segments)
     if bias is not None:
         ok = ok & ~jnp.isneginf(scores)
     probs = jax.nn.softmax(jnp.where(ok, scores, -1e30), axis=-1)
@@ -80,11 +90,12 @@ def _naive(q, k, v, bias, mask, causal, layout, **_) -> jax.Array:
     return jnp.where(seen.transpose(0, 2, 1, 3), out, 0).astype(q.dtype)  # on the output: no score-sized copy
 
 
-def _blockwise(q, k, v, bias, mask, causal, layout, block_q: int = 512, block_k: int = 512, **_) -> jax.Array:
+def _blockwise(q, k, v, bias, mask, causal, layout, segments=None, block_q: int = 512, block_k: int = 512,
+               **_) -> jax.Array:
     """`blockwise_attention`; under a layout the blocks are the layout's."""
     if layout is not None:
         block_q, block_k = q.shape[1] // layout.shape[1], k.shape[1] // layout.shape[2]
-    return blockwise_attention(q, k, v, bias, mask, causal, layout, block_q, block_k)
+    return blockwise_attention(q, k, v, bias, mask, causal, layout, block_q, block_k, segments)
 
 
 def cudnn_unavailable(q: jax.Array, k: jax.Array, causal: bool, layout: Any) -> str | None:
@@ -100,11 +111,14 @@ def cudnn_unavailable(q: jax.Array, k: jax.Array, causal: bool, layout: Any) -> 
     return next((why for bad, why in reasons if bad), None)
 
 
-def _cudnn(q, k, v, bias, mask, causal, layout, **_) -> jax.Array:
-    """cuDNN's fused attention (``jax.nn.dot_product_attention``); ValueError saying why not."""
+def _cudnn(q, k, v, bias, mask, causal, layout, segments=None, **_) -> jax.Array:
+    """cuDNN's fused attention (``jax.nn.dot_product_attention``; segments as a mask);
+    ValueError saying why not."""
     why = cudnn_unavailable(q, k, causal, layout)
     if why:
         raise ValueError(f"attention implementation 'cudnn': {why}")
+    if segments is not None:
+        mask = _same_segment(segments) if mask is None else mask & _same_segment(segments)
     return jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, is_causal=causal, implementation="cudnn")
 
 
@@ -141,7 +155,7 @@ def absent() -> Iterator[None]:
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, bias: Any = None, mask: Any = None,
               causal: bool = False, layout: Any = None, implementation: str = "auto", block_q: int = 512,
-              block_k: int = 512, blockwise_from: int = 256) -> jax.Array:
+              block_k: int = 512, blockwise_from: int = 256, segments: Any = None) -> jax.Array:
     """Softmax attention of ``q`` over ``k`` / ``v`` (module docstring for the semantics);
     ``[b, T, h, d]`` in q's dtype."""
     b, t, h, d = q.shape
@@ -160,10 +174,23 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, bias: Any = None, mas
     name = resolve(implementation, q, k, causal, layout, blockwise_from)
     if mask is not None:
         mask = _normalized(jnp.asarray(mask, bool), "mask", full)
+    segments = _segments(segments, b, t, s)
     q, k, v = (modelaxes.heads(x) for x in (q, k, v))  # Ulysses: whole sequences, a share of the heads
     out = IMPLEMENTATIONS[name](q, k, v, _normalized(bias, "bias", full), mask, causal, layout,
-                                block_q=block_q, block_k=block_k)
+                                segments=segments, block_q=block_q, block_k=block_k)
     return modelaxes.tokens(modelaxes.heads(out))  # pinned on heads first: the backward moves dout, not scores
+
+
+def _segments(segments: Any, b: int, t: int, s: int) -> tuple[jax.Array, jax.Array] | None:
+    """(q's ``[b, T]``, k's ``[b, S]``) int32 segment ids, or None; ValueError naming the shapes."""
+    if segments is None:
+        return None
+    sq, sk = (segments, segments) if not isinstance(segments, (tuple, list)) else segments
+    sq, sk = jnp.asarray(sq, jnp.int32), jnp.asarray(sk, jnp.int32)
+    if sq.shape != (b, t) or sk.shape != (b, s):
+        raise ValueError(f"attention segments: expected q's [{b}, {t}] and k's [{b}, {s}] int ids (one [b, T] array "
+                         f"for self-attention), got {sq.shape} and {sk.shape}")
+    return sq, sk
 
 
 def long_context(spec: Any) -> bool:
@@ -186,11 +213,12 @@ def check_settings(settings: AttentionConfig | None) -> None:
 
 
 def configured(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, settings: AttentionConfig | None,
-               sparse: SparseAttentionConfig | None = None, bias: Any = None, mask: Any = None) -> jax.Array:
+               sparse: SparseAttentionConfig | None = None, bias: Any = None, mask: Any = None,
+               segments: Any = None) -> jax.Array:
     """`attention` as a model's config says: ``jzero.model.attention`` (None: its defaults) and the
     ``sparse_attention`` section's layout for q's heads and length (None: dense)."""
     settings = settings or AttentionConfig()
     layout = None if sparse is None else layouts.cached(sparse, q.shape[2], q.shape[1], settings.layout_seed)
     return attention(q, k, v, bias=bias, mask=mask, causal=causal, layout=layout,
                      implementation=settings.implementation, block_q=settings.block_q, block_k=settings.block_k,
-                     blockwise_from=settings.blockwise_from)
+                     blockwise_from=settings.blockwise_from, segments=segments)

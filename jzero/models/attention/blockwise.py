@@ -200,7 +200,21 @@ def _tile_view(tile: jax.Array, kv: int) -> jax.Array:
 
 # ---- one chunk of pairs ---------------------------------------------------------------------
 
-def _scores(g: Geometry, qb, kb, xs, bias_tiles, mask_tiles, kv: int, bias_shape, mask_shape):
+def _segment_tiles(segments: Any, g: Geometry) -> Any:
+    """Segment ids (q's ``[b, T]``, k's ``[b, S]``) as ``[nq, b, bq]`` and ``[nk, b, bk]`` tiles
+    (padding: -1, a segment no key or query has), or None."""
+    if segments is None:
+        return None
+    sq, sk = segments
+
+    def tiles(x, n, block):
+        x = jnp.pad(x, ((0, 0), (0, n * block - x.shape[1])), constant_values=-1)
+        return x.reshape(x.shape[0], n, block).transpose(1, 0, 2)
+
+    return tiles(sq, g.nq, g.bq), tiles(sk, g.nk, g.bk)
+
+
+def _scores(g: Geometry, qb, kb, xs, bias_tiles, mask_tiles, kv: int, bias_shape, mask_shape, seg_tiles=None):
     """A chunk's scaled scores + bias ``[c, b, KV, G, bq, bk]`` (fp32), -inf where a key does not
     count. The mask enters as a small additive tile (0 / -inf, broadcast over batch and heads):
     a full-size boolean would be hoisted out of the loop by XLA for every step at once."""
@@ -214,6 +228,9 @@ def _scores(g: Geometry, qb, kb, xs, bias_tiles, mask_tiles, kv: int, bias_shape
     ok = ok[:, None, None, None]
     if mask_tiles is not None:
         ok = ok & _tile_view(mask_tiles[_tile_index(mask_shape, g, head, qi, kj)], kv)
+    if seg_tiles is not None:  # packed rows: a query sees only its own document's keys
+        same = seg_tiles[0][qi][:, :, :, None] == seg_tiles[1][kj][:, :, None, :]
+        ok = ok & same[:, :, None, None]
     if bias_tiles is not None:
         s = s + _tile_view(bias_tiles[_tile_index(bias_shape, g, head, qi, kj)], kv).astype(jnp.float32)
     return s + jnp.where(ok, 0.0, -jnp.inf)
@@ -229,8 +246,9 @@ class _Static:
     mask_shape: tuple[int, ...] | None
 
 
-def _forward(st: _Static, q, k, v, bias, mask):
+def _forward(st: _Static, q, k, v, bias, mask, segments):
     g, kv = st.g, st.kv
+    seg = _segment_tiles(segments, g)
     qr, kc, vc = _rows(q, g, kv if g.heads == 1 else 1), _cols(k, g, st.heads), _cols(v, g, st.heads)
     bt = None if bias is None else _tiles(bias, g, 0)
     mt = None if mask is None else _tiles(mask, g, False)
@@ -241,7 +259,7 @@ def _forward(st: _Static, q, k, v, bias, mask):
     def step(carry, xs):
         m, total, acc = carry
         row, col = xs[0], xs[1]
-        s = _scores(g, qr[row], kc[col], xs, bt, mt, qr.shape[2], st.bias_shape, st.mask_shape)
+        s = _scores(g, qr[row], kc[col], xs, bt, mt, qr.shape[2], st.bias_shape, st.mask_shape, seg)
         m_new = m.at[row].max(s.max(-1))
         m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
         alpha = _rescale(m, m_safe)
@@ -282,8 +300,9 @@ def _xs(g: Geometry) -> tuple[jax.Array, ...]:
     return tuple(jnp.asarray(a) for a in g.pairs)
 
 
-def _backward(st: _Static, q, k, v, bias, mask, out, stats, dout):
+def _backward(st: _Static, q, k, v, bias, mask, segments, out, stats, dout):
     g, kv_rows = st.g, (st.kv if st.g.heads == 1 else 1)
+    seg = _segment_tiles(segments, g)
     qr, kc, vc = _rows(q, g, kv_rows), _cols(k, g, st.heads), _cols(v, g, st.heads)
     dor = _rows(dout, g, kv_rows).astype(jnp.float32)
     delta = jnp.sum(dor * _rows(out, g, kv_rows).astype(jnp.float32), -1)
@@ -297,7 +316,7 @@ def _backward(st: _Static, q, k, v, bias, mask, out, stats, dout):
         dq, dk, dv, db = carry
         row, col, head, qi, kj, _ = xs
         qb, kb, vb, dob = qr[row], kc[col], vc[col], dor[row]
-        s = _scores(g, qb, kb, xs, bt, mt, qr.shape[2], st.bias_shape, st.mask_shape)
+        s = _scores(g, qb, kb, xs, bt, mt, qr.shape[2], st.bias_shape, st.mask_shape, seg)
         p = jnp.exp(s - stats[0][row][..., None]) * stats[1][row][..., None]
         dv = dv.at[col].add(jnp.einsum("cbkgqs,cbkgqd->cbksd", p.astype(v.dtype).astype(jnp.float32), dob))
         dp = jnp.einsum("cbkgqd,cbksd->cbkgqs", dob, vb.astype(jnp.float32))
@@ -325,34 +344,41 @@ def _to_tile(ds: jax.Array, tile_shape: tuple[int, ...]) -> jax.Array:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attend(st: _Static, q, k, v, bias, mask):
-    return _forward(st, q, k, v, bias, mask)[0]
+def _attend(st: _Static, q, k, v, bias, mask, segments):
+    return _forward(st, q, k, v, bias, mask, segments)[0]
 
 
-def _attend_fwd(st, q, k, v, bias, mask):
-    out, stats = _forward(st, q, k, v, bias, mask)
+def _attend_fwd(st, q, k, v, bias, mask, segments):
+    out, stats = _forward(st, q, k, v, bias, mask, segments)
     # kept on heads, where the backward reads it: left to the partitioner, the copy the backward
     # saves may take the layout the caller gives the output (tokens, under Ulysses) and move back
     out = modelaxes.heads(out)
-    return out, (q, k, v, bias, mask, out, stats)
+    return out, (q, k, v, bias, mask, segments, out, stats)
+
+
+def _no_gradient(x: Any) -> Any:
+    return jax.tree.map(lambda a: np.zeros(a.shape, jax.dtypes.float0), x)
 
 
 def _attend_bwd(st, res, dout):
-    q, k, v, bias, mask, out, stats = res
-    dq, dk, dv, dbias = _backward(st, q, k, v, bias, mask, out, stats, dout)
-    return dq, dk, dv, dbias, None if mask is None else np.zeros(mask.shape, jax.dtypes.float0)
+    q, k, v, bias, mask, segments, out, stats = res
+    dq, dk, dv, dbias = _backward(st, q, k, v, bias, mask, segments, out, stats, dout)
+    return dq, dk, dv, dbias, _no_gradient(mask), _no_gradient(segments)
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
 
 
 def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array | None, mask: jax.Array | None,
-                        causal: bool, layout: np.ndarray | None, block_q: int, block_k: int) -> jax.Array:
+                        causal: bool, layout: np.ndarray | None, block_q: int, block_k: int,
+                        segments: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
     """Attention of ``q`` ``[b, T, h, d]`` over ``k`` / ``v`` ``[b, S, kv, d]``; ``bias`` / ``mask``
     already ``[B, H, T', S']`` with each dim full or 1 (`jzero.models.attention` normalizes them);
-    ``layout`` ``[1 or h, nq, nk]`` blocks of ``block_q x block_k`` (None: dense)."""
+    ``layout`` ``[1 or h, nq, nk]`` blocks of ``block_q x block_k`` (None: dense); ``segments``
+    (q's ``[b, T]``, k's ``[b, S]`` int ids): a query attends only keys of its own segment,
+    tested tile by tile (no ``[T, S]`` mask is built)."""
     g = geometry(q.shape[1], k.shape[1], q.shape[-1], block_q, block_k, causal, layout,
                  q.shape[0] * q.shape[2])
     st = _Static(g, k.shape[2], q.shape[2], None if bias is None else bias.shape,
                  None if mask is None else mask.shape)
-    return _attend(st, q, k, v, bias, mask)
+    return _attend(st, q, k, v, bias, mask, segments)
