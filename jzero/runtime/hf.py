@@ -38,7 +38,7 @@ NOT_WEIGHTS = re.compile(r"(\.attn\.(masked_)?bias|rotary_emb\.inv_freq)$")
 
 class Rename(NamedTuple):
     """jzero leaf name (regex, full match) -> HF tensor name (``{i}``: layer; ``\\1``: the
-    match's group, dots for slashes) and the layout change (`LAYOUTS`)."""
+    match's group, dots for slashes) and the layout change (`LAYOUTS`: read, shape and write)."""
 
     jzero: str
     hf: str
@@ -138,15 +138,25 @@ def _mapped(path: Path) -> dict[str, np.ndarray]:
     return out
 
 
-# layout -> (HF tensor, index into the jzero leaf's per-layer shape, that shape) -> the slice
-LAYOUTS: dict[str, Callable[[np.ndarray, tuple, tuple], np.ndarray]] = {
-    "": lambda t, index, shape: t[index],
-    "T": lambda t, index, shape: t[tuple(reversed(index))].T,
-    "RESHAPE": lambda t, index, shape: np.asarray(t).reshape(shape)[index],
+class Layout(NamedTuple):
+    """How a jzero leaf (one layer of it) and its HF tensor differ, both ways."""
+
+    read: Callable[[np.ndarray, tuple, tuple], np.ndarray]  # (HF tensor, index, jzero shape) -> the slice
+    hf_shape: Callable[[tuple], tuple]  # jzero shape -> HF shape
+    to_hf: Callable[[np.ndarray], np.ndarray]  # jzero value -> HF tensor
+
+
+def _fused(shape: tuple) -> tuple:
+    return (shape[0], shape[1] * shape[2]) if len(shape) == 3 else (shape[0] * shape[1],)
+
+
+LAYOUTS: dict[str, Layout] = {
+    "": Layout(lambda t, index, shape: t[index], lambda shape: shape, lambda x: x),
+    "T": Layout(lambda t, index, shape: t[tuple(reversed(index))].T, lambda shape: tuple(reversed(shape)),
+                lambda x: x.T),
+    "RESHAPE": Layout(lambda t, index, shape: np.asarray(t).reshape(shape)[index], _fused,
+                      lambda x: x.reshape(_fused(x.shape))),
 }
-HF_SHAPES: dict[str, Callable[[tuple], tuple]] = {
-    "": lambda shape: shape, "T": lambda shape: tuple(reversed(shape)),
-    "RESHAPE": lambda shape: (shape[0], shape[1] * shape[2]) if len(shape) == 3 else (shape[0] * shape[1],)}
 
 
 class Lazy:
@@ -166,7 +176,7 @@ class Lazy:
         index = index + (slice(None),) * (len(self.shape) - len(index))
         index = tuple(slice(*i.indices(n)) if isinstance(i, slice) else i
                       for i, n in zip(index, self.shape, strict=True))
-        read = LAYOUTS[self.layout]
+        read = LAYOUTS[self.layout].read
         if not self.stacked:
             return np.asarray(read(self.tensors[self.names[0]], index, self.shape), np.float32)
         layers = range(*index[0].indices(self.shape[0]))
@@ -193,7 +203,7 @@ def lazy_params(directory: str | Path, family: str, params_shape: Any) -> Any:
         for hf in names:
             if hf not in have:
                 raise ConfigError(f"jzero.model.hf: {directory}: tensor {hf} is missing (needed for {name})")
-            want = HF_SHAPES[layout](per_layer)
+            want = LAYOUTS[layout].hf_shape(per_layer)
             if tuple(tensors[hf].shape) != want:
                 raise ConfigError(f"jzero.model.hf: {directory}: tensor {hf} has shape {list(tensors[hf].shape)}, "
                                   f"config.json gives {list(want)}")

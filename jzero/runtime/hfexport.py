@@ -64,7 +64,7 @@ def _tensors(record: dict, family: str, tied: bool, dtype: np.dtype | None) -> l
             continue
         stacked, shape = "{i}" in pattern, tuple(leaf["shape"])
         written = dtype if dtype is not None else np.dtype(leaf["dtype"])
-        hf_shape = hf.HF_SHAPES[layout](shape[1:] if stacked else shape)
+        hf_shape = hf.LAYOUTS[layout].hf_shape(shape[1:] if stacked else shape)
         out += [_Tensor(pattern.format(i=i), name, i, layout, hf_shape, written)
                 for i in (range(shape[0]) if stacked else [None])]
     return out
@@ -78,14 +78,6 @@ def _shards(tensors: list[_Tensor], limit: int) -> list[list[_Tensor]]:
         shards[-1].append(t)
     return shards
 
-
-def _as_hf(value: np.ndarray, layout: str) -> np.ndarray:
-    """A jzero leaf (one layer of it) in the HF tensor's layout."""
-    if layout == "T":
-        return value.T
-    if layout == "RESHAPE":
-        return value.reshape(value.shape[0], -1) if value.ndim == 3 else value.reshape(-1)
-    return value
 
 
 def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, dtype: str | None = None,
@@ -158,5 +150,5 @@ def _write_shards(ckpt: Any, step: int, shards: list[list[_Tensor]], folder: Pat
                     value = ckpt.read_array(step, t.leaf)
                     current = (t.leaf, value.astype(cast) if cast is not None else value)
                 layer = current[1] if t.layer is None else current[1][t.layer]
-                np.ascontiguousarray(_as_hf(layer, t.layout)).tofile(f)
+                np.ascontiguousarray(hf.LAYOUTS[t.layout].to_hf(layer)).tofile(f)
     return weight_map
