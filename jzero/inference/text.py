@@ -8,6 +8,7 @@ transformers renders it); any other model speaks token ids (`Ids`). `jzero gener
 from __future__ import annotations
 
 import codecs
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,10 @@ class Ids:
 
     def chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         raise ValueError("chat needs a tokenizer with a chat template (a Hugging Face model directory)")
+
+    def fingerprint(self) -> str:
+        """What decides the tokens this tokenizer gives (a token cache is keyed by it)."""
+        return f"{type(self).__name__}:{self.vocab_size}"
 
 
 class Bytes(Ids):
@@ -98,6 +103,15 @@ class HF(Ids):
 
     def encode(self, text: str, special: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=special).ids
+
+    def fingerprint(self) -> str:
+        return hashlib.sha256("\0".join([self.tokenizer.to_str(), self.template or "", repr(self.eos),
+                                          repr(self.special)]).encode()).hexdigest()
+
+    def encode_offsets(self, text: str, special: bool = True) -> tuple[list[int], list[tuple[int, int]]]:
+        """``text`` as ids with each token's (start, end) characters in it."""
+        encoding = self.tokenizer.encode(text, add_special_tokens=special)
+        return encoding.ids, encoding.offsets
 
     def decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)

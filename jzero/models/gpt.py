@@ -21,7 +21,7 @@ import optax
 from jax.ad_checkpoint import checkpoint_name
 
 from jzero.config import AttentionConfig, Config, ConfigError, ModelConfig, SparseAttentionConfig
-from jzero.models import attention, tiles
+from jzero.models import attention, packing, tiles
 from jzero.models.adapters import from_linen
 from jzero.models.base import Model, Stages, from_section, logits_fn, token_batches
 from jzero.models.kvcache import Decoder, Decoding, KVCache
@@ -107,16 +107,18 @@ class Block(nn.Module):
     unmasked for images). With ``moe`` its feed-forward is that MoE layer and it maps
     ``(x, stats) -> (x, stats + this layer's)`` (`jzero.models.moe.MoEStats`). Given a
     `jzero.models.kvcache.Decoding` it decodes: it maps ``x -> (x, decoding)``, its layer's new
-    keys and values written to the cache and attention over the cached ones."""
+    keys and values written to the cache and attention over the cached ones. Given ``packed``
+    (`jzero.models.packing.Packed`) its documents attend only within themselves, rotary
+    positions restarting at each."""
 
     cfg: Any
     causal: bool = True
     moe: MoESpec | None = None
 
     @nn.compact
-    def __call__(self, x, decode: Decoding | None = None):
+    def __call__(self, x, packed: packing.Packed | None = None, decode: Decoding | None = None):
         cfg, stats = self.cfg, None
-        positions = None if decode is None else decode.positions
+        positions = decode.positions if decode is not None else None if packed is None else packed.positions
         if self.moe is not None:
             x, stats = x
         b, t, d = x.shape
@@ -138,7 +140,8 @@ class Block(nn.Module):
                 q, k = _rotary(q, positions), _rotary(k, positions)
             if decode is None:
                 attn = attention.configured(q, k, v, causal=self.causal, settings=getattr(cfg, "attention", None),
-                                            sparse=getattr(cfg, "sparse_attention", None))
+                                            sparse=getattr(cfg, "sparse_attention", None),
+                                            segments=None if packed is None else packed.segments)
             else:
                 decode = decode.written(k, v)
                 keys, values = decode.keys_values()
@@ -167,18 +170,20 @@ class MoEUnit(nn.Module):
     cfg: GPTConfig
 
     @nn.compact
-    def __call__(self, carry):
+    def __call__(self, carry, packed: packing.Packed | None = None):
         x, stats = carry
         for i in range(self.cfg.expert_interval - 1):
-            x = Block(self.cfg, name=f"dense_{i}")(x)
-        return Block(self.cfg, moe=self.cfg.moe, name="moe_block")((x, stats))
+            x = Block(self.cfg, name=f"dense_{i}")(x, packed)
+        return Block(self.cfg, moe=self.cfg.moe, name="moe_block")((x, stats), packed)
 
 
 class GPT(nn.Module):
     """Logits (batch, seq, vocab) in fp32; with MoE layers ``(logits, MoEStats summed over them)``.
-    Given ``(tokens, targets)`` instead, the mean cross entropy in place of the logits, computed
-    ``loss_tile`` tokens at a time (`jzero.models.tiles`: full logits never exist). `embed` and
-    `output` are its ends on their own: the KV-cached `decoder` runs the blocks between them."""
+    Given a `jzero.models.packing.Text` with targets (or a ``(tokens, targets)`` tuple) instead,
+    the mean cross entropy in place of the logits, computed ``loss_tile`` tokens at a time
+    (`jzero.models.tiles`: full logits never exist), weighted and packed as the Text says.
+    `embed` and `output` are its ends on their own: the KV-cached `decoder` runs the blocks
+    between them."""
 
     cfg: GPTConfig
 
@@ -194,15 +199,14 @@ class GPT(nn.Module):
             self.head = nn.Dense(cfg.vocab_size, kernel_init=_init)
 
     def __call__(self, tokens):
-        cfg, targets = self.cfg, None
-        if isinstance(tokens, tuple):
-            tokens, targets = tokens
-        x = self.embed(tokens)
+        cfg, text = self.cfg, packing.as_text(tokens)
+        shared = () if text.packed is None else (text.packed,)
+        x = self.embed(text.tokens, None if text.packed is None else text.packed.positions)
         if cfg.moe is None:
-            x = self.blocks(x)
+            x = self.blocks(x, *shared)
         else:
-            x, stats = self.blocks((x, MoEStats.zeros(x)))
-        out = self.output(x, targets)
+            x, stats = self.blocks((x, MoEStats.zeros(x)), *shared)
+        out = self.output(x, text.targets, text.weights)
         return out if cfg.moe is None else (out, stats)
 
     def embed(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
@@ -214,25 +218,27 @@ class GPT(nn.Module):
                 x = x + wpe.astype(x.dtype)
             return x
 
-    def output(self, x: jax.Array, targets: jax.Array | None = None) -> jax.Array:
+    def output(self, x: jax.Array, targets: jax.Array | None = None, weights: jax.Array | None = None) -> jax.Array:
         """The final LayerNorm and the LM head: fp32 logits, or the tiled loss given targets."""
         with jax.named_scope("head"):
             x = self.ln_f(x)
             head = getattr(self, "head", None)
             if targets is not None:
-                return _tiled_loss(self.cfg, x, targets, self.wte, head)
+                return _tiled_loss(self.cfg, x, targets, weights, self.wte, head)
             return (self.wte.attend(x) if head is None else head(x)).astype(jnp.float32)
 
 
-def _tiled_loss(cfg: GPTConfig, x: jax.Array, targets: jax.Array, embed: nn.Embed, head: nn.Dense | None):
+def _tiled_loss(cfg: GPTConfig, x: jax.Array, targets: jax.Array, weights: jax.Array | None, embed: nn.Embed,
+                head: nn.Dense | None):
     """The head's cross entropy, ``cfg.loss_tile`` tokens at a time, on the head's own params
     (the embedding when tied)."""
     with jax.named_scope("loss"):
         if head is None:
-            return tiles.tiled_cross_entropy(x, embed.embedding, targets, tied=True, tile=cfg.loss_tile)
+            return tiles.tiled_cross_entropy(x, embed.embedding, targets, tied=True, tile=cfg.loss_tile,
+                                             weights=weights)
         params = tiles.params_of(head, cfg.d_model, x.dtype)
         return tiles.tiled_cross_entropy(x, params["kernel"], targets, bias=params["bias"], tied=False,
-                                         tile=cfg.loss_tile)
+                                         tile=cfg.loss_tile, weights=weights)
 
 
 def decoder(cfg: GPTConfig) -> Decoder:
@@ -247,7 +253,7 @@ def decoder(cfg: GPTConfig) -> Decoder:
         x = model.apply(ends, tokens, clipped, method=GPT.embed)
 
         def layer(carry, layer_params):
-            x, decode = block.apply({"params": fetch(layer_params)}, *carry)
+            x, decode = block.apply({"params": fetch(layer_params)}, carry[0], decode=carry[1])
             return (x, decode._replace(layer=decode.layer + 1)), None
 
         start = Decoding(cache, jnp.int32(0), positions)
@@ -265,14 +271,15 @@ def stages(cfg: GPTConfig) -> Stages:
     model, block = GPT(cfg), Block(cfg)
 
     def embed(ends, batch):
-        return model.apply({"params": ends}, batch["inputs"], method=GPT.embed)
+        return model.apply({"params": ends}, batch["inputs"], batch.get("positions"), method=GPT.embed)
 
-    def layers(stack, x):
-        return run_stack(lambda p, h, _: block.apply({"params": p}, h), x, stack["stacked"], None, cfg.remat)
+    def layers(stack, x, batch=None):
+        shared = packing.shared_of(batch)
+        return run_stack(lambda p, h, _: block.apply({"params": p}, h, *shared), x, stack["stacked"], None, cfg.remat)
 
     def head(ends, x, batch):
         targets = batch["targets"] if cfg.loss_tile else None
-        return _loss(cfg, model.apply({"params": ends}, x, targets, method=GPT.output), batch)
+        return _loss(cfg, model.apply({"params": ends}, x, targets, batch.get("weights"), method=GPT.output), batch)
 
     return Stages(stack="blocks", block=type(block).__name__, embed=embed, layers=layers, head=head)
 
@@ -303,10 +310,11 @@ def attention_density(cfg: GPTConfig) -> float:
         cfg.sparse_attention, cfg.n_heads, cfg.seq_len, cfg.attention.layout_seed))
 
 
-def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Mean next-token cross entropy, computed in fp32."""
+def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array | None = None) -> jax.Array:
+    """Mean next-token cross entropy, computed in fp32 (of ``weights x`` it, given weights)."""
     with jax.named_scope("loss"):
-        return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets).mean()
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
+        return (ce if weights is None else ce * weights.astype(jnp.float32)).mean()
 
 
 def build(config: Config) -> Model:
@@ -333,20 +341,20 @@ MOE_METRICS = ("lm_loss", "moe_aux_loss", "moe_dropped", "moe_load")
 
 
 def make(cfg: GPTConfig) -> tuple[Any, Any]:
-    """(init_fn, loss_fn) for jzero.init; batches are {"inputs": (B, T), "targets": (B, T)} int32.
-    With MoE layers the loss is (cross entropy + aux_loss_coef x the aux loss summed over them,
+    """(init_fn, loss_fn) for jzero.init; batches are {"inputs": (B, T), "targets": (B, T)} int32,
+    with optional loss weights and packed documents (`jzero.models.packing`). With MoE layers the loss is (cross entropy + aux_loss_coef x the aux loss summed over them,
     `MOE_METRICS`: the cross entropy and the per-layer mean aux loss, dropped fraction and load)."""
     tokens = jax.ShapeDtypeStruct((1, cfg.seq_len), jnp.int32)
     if cfg.loss_tile:  # the model computes the loss, tile by tile, from the inputs and the targets
-        return from_linen(GPT(cfg), (tokens, tokens), functools.partial(_loss, cfg),
-                          inputs=lambda batch: (batch["inputs"], batch["targets"]))
-    return from_linen(GPT(cfg), tokens, functools.partial(_loss, cfg))
+        return from_linen(GPT(cfg), (tokens, tokens), functools.partial(_loss, cfg), inputs=packing.text_of)
+    return from_linen(GPT(cfg), tokens, functools.partial(_loss, cfg),
+                      inputs=functools.partial(packing.text_of, targets=False))
 
 
 def _loss(cfg: GPTConfig, out: Any, batch: dict) -> Any:
     """The model's tiled cross entropy, or the cross entropy of its logits (``loss_tile`` 0)."""
     def ce_of(out):
-        return out if cfg.loss_tile else cross_entropy(out, batch["targets"])
+        return out if cfg.loss_tile else cross_entropy(out, batch["targets"], batch.get("weights"))
 
     if cfg.moe is None:
         return ce_of(out)

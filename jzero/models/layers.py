@@ -9,6 +9,9 @@ dimension (`jzero.zero.sharding.STACKED_KEY`). One function serves Linen and NNX
 
 Blocks map ``x -> x`` (same shape; leading dim = batch); ``x`` may be a pytree carried
 through the stack (the MoE GPT carries its `jzero.models.moe.MoEStats` beside the hidden state).
+Arguments after ``x`` are ``shared``: every layer gets the same values (packed documents' segment
+ids and positions, `jzero.models.packing`). The scanned body closes over them rather than
+carrying them, so they are not part of the carry that remat saves and the hooks differentiate.
 Both frameworks hand `run_stack` a pure ``apply_layer`` and the stacked params, so the
 per-layer ZeRO hooks (`jzero.zero.hooks`: gather each layer's params before use, reduce-scatter its
 gradient after) live in one place.
@@ -94,14 +97,14 @@ class LinenScanLayers(nn.Module):
     per_layer: tuple[int, ...] = ()  # one int a layer, the block's argument after x
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, *shared):
         block = self.block.clone(parent=None)  # used as a pure function: init / apply
         values = jnp.asarray(self.per_layer, jnp.int32) if self.per_layer else None
         first = () if values is None else (values[0],)
 
         def init_stack(rng):
             keys = jax.random.split(rng, self.length)
-            return jax.vmap(lambda k: block.init({"params": k, "dropout": k}, x, *first)["params"])(keys)
+            return jax.vmap(lambda k: block.init({"params": k, "dropout": k}, x, *first, *shared)["params"])(keys)
 
         # Applied, the stack takes its params as given (not re-checked against init's shapes:
         # under the step an MoE layer's experts are this device's E / ep_size).
@@ -112,7 +115,7 @@ class LinenScanLayers(nn.Module):
 
         def apply_layer(params, h, extra):
             key, *value = extra
-            return block.apply({"params": params}, h, *value, rngs={"dropout": key} if use_dropout else None)
+            return block.apply({"params": params}, h, *value, *shared, rngs={"dropout": key} if use_dropout else None)
 
         extra = (keys,) if values is None else (keys, values)
         return run_stack(apply_layer, x, stacked, extra, self.remat_policy)
@@ -131,10 +134,10 @@ class NNXScanLayers(nnx.Module):
         setattr(self, STACKED_KEY, create(rngs))
         self.remat_policy = remat_policy
 
-    def __call__(self, x):
+    def __call__(self, x, *shared):
         graphdef, params, rest = nnx.split(getattr(self, STACKED_KEY), nnx.Param, ...)
 
         def apply_layer(layer_params, h, layer_rest):
-            return nnx.merge(graphdef, layer_params, layer_rest)(h)
+            return nnx.merge(graphdef, layer_params, layer_rest)(h, *shared)
 
         return run_stack(apply_layer, x, params, rest, self.remat_policy)

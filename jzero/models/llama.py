@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jzero.config import AttentionConfig, Config, ConfigError
-from jzero.models import attention, rope, tiles
+from jzero.models import attention, packing, rope, tiles
 from jzero.models.adapters import from_linen
 from jzero.models.base import Model, Stages, from_section, logits_fn, token_batches
 from jzero.models.gpt import cross_entropy
@@ -78,7 +78,7 @@ class Attention(nn.Module):
     cfg: LlamaConfig
 
     @nn.compact
-    def __call__(self, h, window, decode: Decoding | None = None):
+    def __call__(self, h, window, packed: packing.Packed | None = None, decode: Decoding | None = None):
         cfg = self.cfg
         b, t, _ = h.shape
         dense = functools.partial(nn.Dense, use_bias=cfg.qkv_bias, kernel_init=_init)
@@ -87,12 +87,14 @@ class Attention(nn.Module):
         v = dense(cfg.n_kv_heads * cfg.head_dim, name="v_proj")(h).reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
             q, k = RMSNorm(cfg.rms_eps, name="q_norm")(q), RMSNorm(cfg.rms_eps, name="k_norm")(k)
-        positions = jnp.arange(t)[None] if decode is None else decode.positions
+        positions = (decode.positions if decode is not None else jnp.arange(t)[None] if packed is None
+                     else packed.positions)
         q, k = rope.apply(q, positions, cfg.rope), rope.apply(k, positions, cfg.rope)
         q, k, v = (checkpoint_name(modelaxes.tokens(x), "qkv") for x in (q, k, v))
         if decode is None:
             mask = None if not cfg.windows else window_mask(t, t, window)
-            out = attention.configured(q, k, v, causal=True, settings=cfg.attention, mask=mask)
+            out = attention.configured(q, k, v, causal=True, settings=cfg.attention, mask=mask,
+                                       segments=None if packed is None else packed.segments)
         else:
             decode = decode.written(k, v)
             keys, values = decode.keys_values()
@@ -115,18 +117,19 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """A decoder layer; ``window`` its sliding window (0: none). Given a `Decoding` it decodes and
-    returns ``(x, decoding)``."""
+    """A decoder layer; ``window`` its sliding window (0: none); ``packed`` documents attend
+    within themselves, RoPE restarting at each. Given a `Decoding` it decodes and returns
+    ``(x, decoding)``."""
 
     cfg: LlamaConfig
 
     @nn.compact
-    def __call__(self, x, window=0, decode: Decoding | None = None):
+    def __call__(self, x, window=0, packed: packing.Packed | None = None, decode: Decoding | None = None):
         cfg = self.cfg
         x = modelaxes.residual(x)
         with jax.named_scope("attention"):  # scope names: `jzero profile` attributes FLOPs by them
             h = modelaxes.gathered(RMSNorm(cfg.rms_eps, name="input_layernorm")(x))
-            out, decode = Attention(cfg, name="self_attn")(h, window, decode)
+            out, decode = Attention(cfg, name="self_attn")(h, window, packed, decode)
             x = modelaxes.residual(x + out)
         with jax.named_scope("mlp"):
             h = modelaxes.gathered(RMSNorm(cfg.rms_eps, name="post_attention_layernorm")(x))
@@ -135,30 +138,32 @@ class Block(nn.Module):
 
 
 class Llama(nn.Module):
-    """Logits (batch, seq, vocab) in fp32; given ``(tokens, targets)``, the mean cross entropy
-    computed ``loss_tile`` tokens at a time. `embed` and `output` are its ends on their own."""
+    """Logits (batch, seq, vocab) in fp32; given a `jzero.models.packing.Text` with targets (or
+    ``(tokens, targets)``), the mean cross entropy computed ``loss_tile`` tokens at a time,
+    weighted and packed as the Text says. `embed` and `output` are its ends on their own."""
 
     cfg: LlamaConfig
 
     def setup(self):
         cfg = self.cfg
         self.embed_tokens = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=_init)
-        self.layers = scan_layers(Block(cfg), cfg.n_layers, remat_policy=cfg.remat, per_layer=cfg.windows)
+        # every layer gets its window (0: none), so a packed batch's documents follow it positionally
+        self.layers = scan_layers(Block(cfg), cfg.n_layers, remat_policy=cfg.remat,
+                                  per_layer=cfg.windows or (0,) * cfg.n_layers)
         self.norm = RMSNorm(cfg.rms_eps)
         if not cfg.tie_embeddings:
             self.lm_head = nn.Dense(cfg.vocab_size, use_bias=False, kernel_init=_init)
 
     def __call__(self, tokens):
-        targets = None
-        if isinstance(tokens, tuple):
-            tokens, targets = tokens
-        return self.output(self.layers(self.embed(tokens)), targets)
+        text = packing.as_text(tokens)
+        shared = () if text.packed is None else (text.packed,)
+        return self.output(self.layers(self.embed(text.tokens), *shared), text.targets, text.weights)
 
     def embed(self, tokens: jax.Array) -> jax.Array:
         with jax.named_scope("embedding"):
             return self.embed_tokens(tokens)
 
-    def output(self, x: jax.Array, targets: jax.Array | None = None) -> jax.Array:
+    def output(self, x: jax.Array, targets: jax.Array | None = None, weights: jax.Array | None = None) -> jax.Array:
         """The final RMSNorm and the LM head: fp32 logits, or the tiled loss given targets."""
         with jax.named_scope("head"):
             x = self.norm(x)
@@ -167,9 +172,10 @@ class Llama(nn.Module):
                 with jax.named_scope("loss"):
                     if head is None:
                         return tiles.tiled_cross_entropy(x, self.embed_tokens.embedding, targets, tied=True,
-                                                         tile=self.cfg.loss_tile)
+                                                         tile=self.cfg.loss_tile, weights=weights)
                     kernel = tiles.params_of(head, self.cfg.d_model, x.dtype)["kernel"]
-                    return tiles.tiled_cross_entropy(x, kernel, targets, tied=False, tile=self.cfg.loss_tile)
+                    return tiles.tiled_cross_entropy(x, kernel, targets, tied=False, tile=self.cfg.loss_tile,
+                                                     weights=weights)
             return (self.embed_tokens.attend(x) if head is None else head(x)).astype(jnp.float32)
 
 
@@ -184,14 +190,15 @@ def stages(cfg: LlamaConfig) -> Stages | None:
         return None
     model, block = Llama(cfg), Block(cfg)
 
-    def layers(stack, x):
-        n = jax.tree.leaves(stack)[0].shape[0]
-        return run_stack(lambda p, h, w: block.apply({"params": p}, h, w), x, stack["stacked"], _windows(cfg, n),
-                         cfg.remat)
+    def layers(stack, x, batch=None):
+        n, shared = jax.tree.leaves(stack)[0].shape[0], packing.shared_of(batch)
+        return run_stack(lambda p, h, w: block.apply({"params": p}, h, w, *shared), x, stack["stacked"],
+                         _windows(cfg, n), cfg.remat)
 
     def head(ends, x, batch):
         targets = batch["targets"] if cfg.loss_tile else None
-        return _loss(cfg, model.apply({"params": ends}, x, targets, method=Llama.output), batch)
+        return _loss(cfg, model.apply({"params": ends}, x, targets, batch.get("weights"), method=Llama.output),
+                     batch)
 
     return Stages(stack="layers", block=type(block).__name__, layers=layers, head=head,
                   embed=lambda ends, batch: model.apply({"params": ends}, batch["inputs"], method=Llama.embed))
@@ -208,7 +215,7 @@ def decoder(cfg: LlamaConfig) -> Decoder:
 
         def layer(carry, xs):
             layer_params, window = xs
-            x, decode = block.apply({"params": fetch(layer_params)}, carry[0], window, carry[1])
+            x, decode = block.apply({"params": fetch(layer_params)}, carry[0], window, decode=carry[1])
             return (x, decode._replace(layer=decode.layer + 1)), None
 
         start = Decoding(cache, jnp.int32(0), positions)
@@ -231,16 +238,17 @@ def model_flops(cfg: LlamaConfig, tokens: int) -> dict[str, float]:
 
 
 def make(cfg: LlamaConfig) -> tuple[Any, Any]:
-    """(init_fn, loss_fn) for jzero.init; batches are {"inputs", "targets"} int32 (B, T)."""
+    """(init_fn, loss_fn) for jzero.init; batches are {"inputs", "targets"} int32 (B, T), with
+    optional loss weights and packed documents (`jzero.models.packing`)."""
     tokens = jax.ShapeDtypeStruct((1, cfg.seq_len), jnp.int32)
     if cfg.loss_tile:
-        return from_linen(Llama(cfg), (tokens, tokens), functools.partial(_loss, cfg),
-                          inputs=lambda batch: (batch["inputs"], batch["targets"]))
-    return from_linen(Llama(cfg), tokens, functools.partial(_loss, cfg))
+        return from_linen(Llama(cfg), (tokens, tokens), functools.partial(_loss, cfg), inputs=packing.text_of)
+    return from_linen(Llama(cfg), tokens, functools.partial(_loss, cfg),
+                      inputs=functools.partial(packing.text_of, targets=False))
 
 
 def _loss(cfg: LlamaConfig, out: Any, batch: dict) -> Any:
-    return out if cfg.loss_tile else cross_entropy(out, batch["targets"])
+    return out if cfg.loss_tile else cross_entropy(out, batch["targets"], batch.get("weights"))
 
 
 def check(cfg: LlamaConfig) -> LlamaConfig:

@@ -43,27 +43,31 @@ def params_of(dense: nn.Dense, width: int, dtype: Any) -> dict[str, jax.Array]:
     return dense.variables["params"]
 
 
-def _tile_sum(x: jax.Array, targets: jax.Array, valid: jax.Array, weight: jax.Array, bias: jax.Array | None,
+def _tile_sum(x: jax.Array, targets: jax.Array, scale: jax.Array, weight: jax.Array, bias: jax.Array | None,
               tied: bool) -> jax.Array:
-    """Summed cross entropy of one tile: ``x`` ``[n, d]`` through the head (``weight`` ``[vocab, d]``
-    when ``tied`` to the embedding, else ``[d, vocab]``; ``bias`` ``[vocab]`` or None), in fp32."""
+    """Cross entropy of one tile summed with per-token ``scale`` (0 on padding): ``x`` ``[n, d]``
+    through the head (``weight`` ``[vocab, d]`` when ``tied`` to the embedding, else ``[d, vocab]``;
+    ``bias`` ``[vocab]`` or None), in fp32."""
     logits = x @ (weight.T if tied else weight)
     if bias is not None:
         logits = logits + bias
     ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
-    return jnp.sum(jnp.where(valid, ce, 0.0))
+    return jnp.sum(ce * scale)
 
 
 def tiled_cross_entropy(x: jax.Array, weight: jax.Array, targets: jax.Array, *, bias: jax.Array | None = None,
-                        tied: bool = True, tile: int = 1024) -> jax.Array:
+                        tied: bool = True, tile: int = 1024, weights: jax.Array | None = None) -> jax.Array:
     """Mean next-token cross entropy of the logits ``x @ head`` (``x`` ``[..., d]``, ``targets``
-    ``x.shape[:-1]``), ``tile`` tokens at a time; equal to the whole-logits loss and gradients."""
+    ``x.shape[:-1]``), ``tile`` tokens at a time; equal to the whole-logits loss and gradients.
+    ``weights`` (``targets``' shape): the mean of ``weights x cross entropy`` instead
+    (`jzero.models.packing`: loss masks, normalized over the global batch)."""
     d = x.shape[-1]
     x, targets = x.reshape(-1, d), targets.reshape(-1)
     n = x.shape[0]
+    scale = jnp.ones(n, jnp.float32) if weights is None else weights.reshape(-1).astype(jnp.float32)
     if n <= tile:
-        return _tile_sum(x, targets, jnp.ones(n, bool), weight, bias, tied) / n
-    sums = map_tiles(lambda xt, tt, vt: _tile_sum(xt, tt, vt, weight, bias, tied), (x, targets), tile)
+        return _tile_sum(x, targets, scale, weight, bias, tied) / n
+    sums = map_tiles(lambda xt, tt, st, _: _tile_sum(xt, tt, st, weight, bias, tied), (x, targets, scale), tile)
     return jnp.sum(sums) / n
 
 

@@ -23,7 +23,7 @@ from jzero.config import Config, ConfigError
 from jzero.inference import engine, scheduler, uncached
 from jzero.inference import text as wording
 from jzero.models import clip, evoformer
-from jzero.tasks import images, protein, protein_metrics, text
+from jzero.tasks import images, packer, protein, protein_metrics, records, text, tokencache
 from jzero.train.state import TrainState, device_params
 
 SAMPLE_PROMPT = "def "
@@ -53,17 +53,21 @@ def build(config: Config) -> Task:
 
 
 def language(config: Config, model: models.Model) -> Task:
-    hf = config.jzero.model.hf
+    hf, data = config.jzero.model.hf, config.jzero.data
     tokenizer = wording.for_model(model.spec.vocab_size, hf)
-    corpus = text.load_corpus(config.jzero.data, tokenizer if hf else None)
     cfg = model.spec
-    if corpus.vocab_size > cfg.vocab_size:
-        raise ConfigError(f"jzero.model.vocab_size: {cfg.vocab_size} is smaller than the data's "
-                          f"vocabulary ({corpus.vocab_size} in {corpus.source})")
+    if data.path is not None and records.is_records(data.path):
+        batch, described = _records_batches(config, model, tokenizer)
+    else:
+        corpus = text.load_corpus(data, tokenizer if hf else None)
+        if corpus.vocab_size > cfg.vocab_size:
+            raise ConfigError(f"jzero.model.vocab_size: {cfg.vocab_size} is smaller than the data's "
+                              f"vocabulary ({corpus.vocab_size} in {corpus.source})")
+        described = text.describe(corpus)
 
-    def batch(split: str, step: int, batch_size: int, sharding: NamedSharding) -> dict:
-        tokens = corpus.train if split == "train" else corpus.heldout
-        return text.global_batch(tokens, config.seed, split, step, batch_size, cfg.seq_len, sharding)
+        def batch(split: str, step: int, batch_size: int, sharding: NamedSharding) -> dict:
+            tokens = corpus.train if split == "train" else corpus.heldout
+            return text.global_batch(tokens, config.seed, split, step, batch_size, cfg.seq_len, sharding)
 
     prompt = tokenizer.encode(SAMPLE_PROMPT) if tokenizer.text else list(SAMPLE_PROMPT.encode())
 
@@ -73,7 +77,27 @@ def language(config: Config, model: models.Model) -> Task:
             return " ".join(map(str, tokens))
         return SAMPLE_PROMPT + tokenizer.decode(tokens)
 
-    return Task(model, text.describe(corpus), batch, lambda state: {}, preview, "sample (temperature 0.8)")
+    return Task(model, described, batch, lambda state: {}, preview, "sample (temperature 0.8)")
+
+
+def _records_batches(config: Config, model: models.Model, tokenizer: Any) -> tuple[Callable, str]:
+    """Fine-tuning records (`records`): tokenized through the cache, split by documents, packed."""
+    data, seq_len = config.jzero.data, model.spec.seq_len
+    if not tokenizer.text:
+        raise ConfigError(f"jzero.data.path: {data.path} holds text records, and this model (vocab "
+                          f"{model.spec.vocab_size}) has no tokenizer: give jzero.model.hf a directory with one")
+    tokens = tokencache.load(data.path, data, tokenizer)
+    tokencache.check_vocab(tokens, model.spec.vocab_size, data.path)
+    splits = dict(zip(("train", "heldout"), packer.split(tokens, data.heldout_fraction), strict=True))
+    plans = {name: packer.plan(part.starts, seq_len, data.packing) for name, part in splits.items()}
+
+    def batch(split: str, step: int, batch_size: int, sharding: NamedSharding) -> dict:
+        return packer.global_batch(splits[split], plans[split], config.seed, split, step, batch_size, sharding)
+
+    described = (f"{data.path}: {len(splits['train']):,} train / {len(splits['heldout']):,} held-out documents, "
+                 f"{plans['train'].rows:,} + {plans['heldout'].rows:,} rows of {seq_len} "
+                 f"({'packed' if data.packing else 'padded'}; {tokens.source})")
+    return batch, described
 
 
 def _sample(model: models.Model, params: Any, prompt: list[int], seed: int) -> list[int]:

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jzero.models import packing
 from jzero.train import collectives
 from jzero.zero import branches, groups, modelaxes, pipeline, precision, residuals
 from jzero.zero.mesh import DATA_AXES, STAGE, data_parallel_size, keeping, manual_axes
@@ -112,7 +113,8 @@ def _chunk_fns(cut: Any, scale: Any) -> tuple[Any, Any]:
     first virtual stage embedding, and the last virtual stage's scaled loss (and loss) through it."""
     def forward(consts, params, x):
         (mb, first), (chunk, ends) = consts, params
-        return cut.layers(chunk, jnp.where(first, cut.embed(ends, mb), x))
+        x = jnp.where(first, cut.embed(ends, mb), x)
+        return cut.layers(chunk, x, mb) if packing.packed(mb) else cut.layers(chunk, x)
 
     def objective(params, x, consts):
         loss = cut.head(params[1], forward(consts, params, x), consts[0]).astype(jnp.float32)
