@@ -214,3 +214,31 @@ def test_parquet_column_of_the_wrong_type(tmp_path):
     with pytest.raises(ConfigError, match=r"bad.parquet row 1: field 'text' must be a str, got int"):
         tokencache.build(bad, DataConfig(), Bytes())
     assert records.is_records(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def chatml(tmp_path_factory):
+    """examples/hf_tiny_llama.py's BPE tokenizer with its ChatML template."""
+    pytest.importorskip("tokenizers")
+    from test_examples import load_example
+
+    from jzero.inference.text import HF
+    out = tmp_path_factory.mktemp("chatml")
+    load_example("hf_tiny_llama").write_tokenizer(out, 400)
+    return HF(out)
+
+
+def test_assistant_only_mask_is_the_assistant_turns(tmp_path, chatml):
+    """Chats rendered with the template: the trained tokens spell exactly the assistant turns'
+    contents and their end-of-turn markers (the EOS after the last turn too); with the flag off
+    every token trains."""
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
+            {"role": "assistant", "content": "4"}, {"role": "user", "content": "and 3+3?"},
+            {"role": "assistant", "content": "It is 6."}]
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": chat}])
+    doc = next(records.documents(path, DataConfig(), chatml))
+    trained = chatml.tokenizer.decode(doc.tokens[doc.mask == 1].tolist(), skip_special_tokens=False)
+    assert trained == "4<|im_end|>\nIt is 6.<|im_end|>\n<|endoftext|>"
+    assert chatml.tokenizer.decode(doc.tokens.tolist(), skip_special_tokens=False) == chatml.chat(chat, False) + \
+        "<|endoftext|>"
+    assert next(records.documents(path, DataConfig(assistant_only_loss=False), chatml)).mask.all()
