@@ -259,6 +259,18 @@ class FrozenConfig:
 
 
 @dataclass(frozen=True)
+class LoraConfig:
+    """``jzero.lora`` (`jzero.models.lora`): rank-``r`` adapters on the kernels of the modules
+    whose path a ``target_modules`` regex finds (``q_proj``, ``v_proj`` ...), scaled by
+    ``alpha / r``; every other param is frozen."""
+
+    r: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class JzeroConfig:
     """jzero's own section (DeepSpeed has no such keys)."""
 
@@ -274,6 +286,7 @@ class JzeroConfig:
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
     param_groups: tuple[ParamGroupConfig, ...] = ()
     frozen: FrozenConfig = field(default_factory=FrozenConfig)
+    lora: LoraConfig | None = None
     auto: Literal["hf_defaults", "strict"] = "hf_defaults"  # HF Trainer "auto" keys: `jzero.config.hf`
 
 

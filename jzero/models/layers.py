@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jzero.models import lora
 from jzero.zero import dots, hooks, remat
 from jzero.zero.sharding import STACKED_KEY
 
@@ -59,6 +60,9 @@ def run_stack(apply_layer: Callable[[Any, Any, Any], Any], x: Any, stacked: Any,
     per-layer ZeRO hook (`jzero.zero.hooks`); otherwise a plain scan body under the remat policy.
     """
     policy = remat.policy(remat_policy)
+    scale = lora.current_scale()
+    if scale is not None:  # each layer's adapters merged where it runs (after ZeRO-3's gather)
+        apply_layer = _merging(apply_layer, scale)
     ctx = hooks.current()
     if ctx is not None:
         return hooks.scan(ctx, apply_layer, policy, x, stacked, extra)
@@ -73,6 +77,10 @@ def run_stack(apply_layer: Callable[[Any, Any, Any], Any], x: Any, stacked: Any,
     elif policy is not None:
         body = jax.checkpoint(body, policy=policy, prevent_cse=False)
     return jax.lax.scan(body, x, (stacked, extra))[0]
+
+
+def _merging(apply_layer: Callable[[Any, Any, Any], Any], scale: float) -> Callable[[Any, Any, Any], Any]:
+    return lambda params, h, extra: apply_layer(lora.merged(params, scale), h, extra)
 
 
 @jax.custom_vjp

@@ -33,7 +33,7 @@ from jzero.config import (
     read_json,
     with_hidden_size,
 )
-from jzero.models import moe
+from jzero.models import lora, moe
 from jzero.zero import groups, optim, pipeline, remat, schedules
 
 # DeepSpeed features jzero refuses (they change what is trained or where memory lives).
@@ -79,6 +79,10 @@ def load_config(source: str | os.PathLike | Mapping[str, Any], *, dp_size: int |
     remat.validate(cfg.jzero.remat)
     models.validate(cfg, named="model" in raw.get("jzero", {}))
     moe.validate(cfg)
+    if cfg.jzero.lora is not None:  # the adapters train, nothing else
+        lora.validate(cfg.jzero.lora)
+        frozen = dataclasses.replace(cfg.jzero.frozen, patterns=(*cfg.jzero.frozen.patterns, lora.FROZEN))
+        cfg = dataclasses.replace(cfg, jzero=dataclasses.replace(cfg.jzero, frozen=frozen))
     groups.validate(cfg)
     cfg = dataclasses.replace(cfg, optimizer=optim.validate(cfg.optimizer), source=raw)
     return dataclasses.replace(cfg, scheduler=schedules.validate(cfg))

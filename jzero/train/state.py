@@ -17,6 +17,7 @@ from flax import struct
 from jax.sharding import Mesh
 
 from jzero.config import Config, ConfigError
+from jzero.models import lora
 from jzero.models.base import Stages
 from jzero.train.resolve import offload_kinds, resolve_auto_sizes
 from jzero.zero import autotp, groups, modelstate, optim, pipeline, precision, sharding, treepath
@@ -68,8 +69,11 @@ def init(init_fn: Callable[[jax.Array], Any], config: Config, *, loss_fn: LossFn
     a pipeline (`jzero.models.base.Stages`, a reference model's ``.stages``), which
     ``pipeline.stages > 1`` needs.
     """
+    init_fn, loss_fn, stages = _adapted(init_fn, loss_fn, stages, config)
     prep = _prepare(init_fn, config, rng, mesh, model_specs, tx, stages)
     plan = prep.plan
+    if params is not None and config.jzero.lora is not None:  # a base checkpoint: fresh adapters
+        params = lora.with_adapters(params, config.jzero.lora, jax.random.fold_in(prep.key, lora.SEED))
     if params is None:
         params = jax.jit(prep.make_params, out_shardings=plan.params)(prep.key)
     else:
@@ -110,6 +114,7 @@ def abstract_init(init_fn: Callable[[jax.Array], Any], config: Config, *, loss_f
                   tx: optax.GradientTransformation | None = None, stages: Stages | None = None) -> TrainState:
     """The TrainState `init` would build, as `jax.ShapeDtypeStruct`s carrying the Plan's
     shardings: nothing is allocated, so ``train_step.lower(state, batch)`` plans any size."""
+    init_fn, loss_fn, stages = _adapted(init_fn, loss_fn, stages, config)
     prep = _prepare(init_fn, config, 0, mesh, model_specs, tx, stages)
     plan = prep.plan
 
@@ -129,6 +134,14 @@ def abstract_init(init_fn: Callable[[jax.Array], Any], config: Config, *, loss_f
                       rng=jax.ShapeDtypeStruct(rng_shape.shape, rng_shape.dtype, sharding=plan.replicated),
                       loss_scale=loss_scale, model_state=model_state, loss_fn=loss_fn, tx=prep.tx, plan=plan,
                       config=prep.config, stages=stages)
+
+
+def _adapted(init_fn: Callable, loss_fn: LossFn, stages: Stages | None, config: Config
+             ) -> tuple[Callable, LossFn, Stages | None]:
+    """The model's functions with ``jzero.lora``'s adapters (`jzero.models.lora`), if any."""
+    if config.jzero.lora is None:
+        return init_fn, loss_fn, stages
+    return lora.applied(init_fn, loss_fn, stages, config.jzero.lora)
 
 
 def _place(values: Any, shapes: Any, shardings: Any, what: str) -> Any:
