@@ -30,6 +30,7 @@ def run(args: argparse.Namespace) -> int:
     from jzero import models
     from jzero.config import ConfigError
     from jzero.inference import text
+    from jzero.models import lora
     from jzero.runtime import engine, evaluate
     from jzero.runtime.weights import read_params
     from jzero.tasks.text import documents
@@ -56,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
     tokens, mask = evaluate.rows(docs, model.spec.seq_len)
     devices = jax.device_count()
     batch = -(-args.batch // devices) * devices
-    result = evaluate.evaluate(model.forward, state.params, tokens, mask, state.plan.mesh, batch)
+    params = lora.for_inference(state.params, config.jzero.lora)
+    result = evaluate.evaluate(model.forward, params, tokens, mask, state.plan.mesh, batch)
     if args.json:
         print(json.dumps(result.as_dict()))
     else:

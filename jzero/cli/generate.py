@@ -50,6 +50,7 @@ def engine_from(args: argparse.Namespace, slots: int | None = None) -> tuple:
     import jax.numpy as jnp
 
     from jzero.inference import engine, storage
+    from jzero.models import lora
     from jzero.runtime.weights import read_params
     from jzero.train.resolve import load_config
 
@@ -60,6 +61,7 @@ def engine_from(args: argparse.Namespace, slots: int | None = None) -> tuple:
         params = read_params(args.checkpoint) if args.checkpoint else hf_params(config)
     except FileNotFoundError as e:
         raise UsageError(f"--checkpoint: {e}") from None
+    params = lora.for_inference(params, config.jzero.lora)
     dtype = {"fp32": jnp.float32, "bf16": jnp.bfloat16}[args.dtype]
     if args.int8_block < 0:
         raise UsageError(f"--int8-block: must be >= 0 (0: unquantized), got {args.int8_block}")

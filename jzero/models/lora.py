@@ -77,6 +77,8 @@ def with_adapters(params: Any, cfg: LoraConfig, rng: jax.Array) -> Any:
     params = jax.tree.map(lambda x: x, params)  # a copy of the nesting, leaves shared
     for i, path in enumerate(targets(params, cfg)):
         module = _module(params, path)
+        if A in module and B in module:  # a LoRA checkpoint's own adapters
+            continue
         kernel = module["kernel"]
         stacked = STACKED_KEY in path.split("/")
         lead, fan_in = kernel.shape[:1] if stacked else (), kernel.shape[1 if stacked else 0]
@@ -116,6 +118,19 @@ def merged_all(params: Any, scale: float) -> Any:
     if A in params:
         return merged(params, scale)
     return {k: merged_all(v, scale) for k, v in params.items()}
+
+
+def for_inference(params: Any, cfg: LoraConfig | None) -> Any:
+    """``params`` as a model without adapters runs them (generation, held-out forward)."""
+    return params if cfg is None else merged_all(params, scale_of(cfg))
+
+
+def from_raw(config: Mapping[str, Any]) -> LoraConfig | None:
+    """The ``jzero.lora`` section of a checkpoint's saved (raw) config, or None."""
+    raw = config.get("jzero", {}).get("lora")
+    if raw is None:
+        return None
+    return LoraConfig(**{**raw, "target_modules": tuple(raw.get("target_modules", ()))})
 
 
 @contextlib.contextmanager

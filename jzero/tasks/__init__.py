@@ -22,7 +22,7 @@ from jzero import models
 from jzero.config import Config, ConfigError
 from jzero.inference import engine, scheduler, uncached
 from jzero.inference import text as wording
-from jzero.models import clip, evoformer
+from jzero.models import clip, evoformer, lora
 from jzero.tasks import images, packer, protein, protein_metrics, records, text, tokencache
 from jzero.train.state import TrainState, device_params
 
@@ -72,7 +72,7 @@ def language(config: Config, model: models.Model) -> Task:
     prompt = tokenizer.encode(SAMPLE_PROMPT) if tokenizer.text else list(SAMPLE_PROMPT.encode())
 
     def preview(state: TrainState) -> str:
-        tokens = _sample(model, device_params(state), prompt, config.seed)
+        tokens = _sample(model, _params(state), prompt, config.seed)
         if not tokenizer.text:
             return " ".join(map(str, tokens))
         return SAMPLE_PROMPT + tokenizer.decode(tokens)
@@ -98,6 +98,11 @@ def _records_batches(config: Config, model: models.Model, tokenizer: Any) -> tup
                  f"{plans['train'].rows:,} + {plans['heldout'].rows:,} rows of {seq_len} "
                  f"({'packed' if data.packing else 'padded'}; {tokens.source})")
     return batch, described
+
+
+def _params(state: TrainState) -> Any:
+    """The state's params as the forward and the decoder take them: device memory, adapters merged."""
+    return lora.for_inference(device_params(state), state.config.jzero.lora)
 
 
 def _sample(model: models.Model, params: Any, prompt: list[int], seed: int) -> list[int]:
@@ -132,7 +137,7 @@ def classification(config: Config, model: models.Model) -> Task:
                           f"{len(found.class_names)} classes")
 
     def predict(state: TrainState) -> np.ndarray:
-        return np.asarray(jnp.argmax(model.forward(device_params(state), found.heldout), axis=-1))
+        return np.asarray(jnp.argmax(model.forward(_params(state), found.heldout), axis=-1))
 
     def evaluate(state: TrainState) -> dict[str, float]:
         return {"eval_accuracy": float(np.mean(predict(state) == found.heldout_labels))}
@@ -168,7 +173,7 @@ def contrastive(config: Config, model: models.Model) -> Task:
         return img @ classes.T
 
     def evaluate(state: TrainState) -> dict[str, float]:
-        params = device_params(state)
+        params = _params(state)
         img = np.asarray(encode_image(params, found.heldout))
         labels = found.heldout_labels
         captions = texts([images.caption(names[y], i) for i, y in enumerate(labels)])
@@ -179,7 +184,7 @@ def contrastive(config: Config, model: models.Model) -> Task:
                 "t2i_recall1": float(np.mean(labels[sim.argmax(0)] == labels))}
 
     def preview(state: TrainState) -> str:
-        params = device_params(state)
+        params = _params(state)
         img = np.asarray(encode_image(params, found.heldout[:PREVIEW]))
         pred, true = zero_shot(params, img).argmax(1), found.heldout_labels[:PREVIEW]
         return (f"zero-shot {' '.join(names[i] for i in pred)}\n"
@@ -205,7 +210,7 @@ def structure(config: Config, model: models.Model) -> Task:
                  **protein_metrics.separation_baseline(prior, arrays["structures"]["distogram"])}
 
     def predict(state: TrainState, batch: dict) -> tuple[np.ndarray, np.ndarray]:
-        params, n = device_params(state), len(batch["residues"])
+        params, n = _params(state), len(batch["residues"])
         outs = []
         for i in range(0, n, EVAL_BATCH):
             rows = {k: np.resize(v[i:i + EVAL_BATCH], (EVAL_BATCH, *v.shape[1:])) for k, v in batch.items()}
