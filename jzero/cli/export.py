@@ -1,5 +1,7 @@
 """``jzero export CHECKPOINT OUT.safetensors``: a checkpoint's params as one safetensors file;
-``jzero export CHECKPOINT --hf OUT``: as a Hugging Face directory (`jzero.runtime.hfexport`)."""
+``jzero export CHECKPOINT --hf OUT``: as a Hugging Face directory, LoRA adapters merged
+(`jzero.runtime.hfexport`); ``--peft OUT``: the adapters alone, as PEFT saves them
+(`jzero.runtime.peftexport`)."""
 from __future__ import annotations
 
 import argparse
@@ -13,6 +15,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     exp.add_argument("out", nargs="?", help="the .safetensors file to write (not with --hf)")
     exp.add_argument("--hf", metavar="DIR", help="write a Hugging Face directory (config.json, sharded safetensors "
                      "with the index, the tokenizer) of the architecture the checkpoint was trained from")
+    exp.add_argument("--peft", metavar="DIR", help="write the LoRA adapters (jzero.lora) as a PEFT adapter folder "
+                     "(adapter_config.json, adapter_model.safetensors) for the checkpoint's Hugging Face base model")
     exp.add_argument("--max-shard-size", default="5GB", help="with --hf: the largest shard (default 5GB)")
     exp.add_argument("--dtype", choices=["fp32", "bf16"], help="cast floating params (default: as saved)")
     exp.set_defaults(func=run)
@@ -21,8 +25,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from jzero.runtime.monitor import mib
 
-    if (args.out is None) == (args.hf is None):
-        raise UsageError("jzero export: give OUT.safetensors or --hf DIR (one of them)")
+    if sum(x is not None for x in (args.out, args.hf, args.peft)) != 1:
+        raise UsageError("jzero export: give OUT.safetensors, --hf DIR or --peft DIR (one of them)")
+    if args.peft is not None:
+        from jzero.runtime.peftexport import export_peft
+
+        written = export_peft(args.checkpoint, args.peft)
+        print(f"jzero: wrote {written['tensors']} adapter tensors ({', '.join(written['modules'])}) from step "
+              f"{written['step']} of {args.checkpoint} to {written['path']}")
+        return 0
     if args.hf is not None:
         from jzero.runtime.hfexport import export_hf, shard_bytes
 

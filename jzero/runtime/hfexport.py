@@ -21,8 +21,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from jzero.config import ConfigError
-from jzero.models import hfconfig
+from jzero.config import ConfigError, LoraConfig
+from jzero.models import hfconfig, lora
 from jzero.runtime import hf
 from jzero.runtime.weights import DTYPES, SAFETENSORS_DTYPES, resolve, write_header
 
@@ -56,7 +56,7 @@ class _Tensor(NamedTuple):
 def _tensors(record: dict, family: str, tied: bool, dtype: np.dtype | None) -> list[_Tensor]:
     out = []
     for name, leaf in record["leaves"].items():
-        if not name.startswith("params/"):
+        if not name.startswith("params/") or name.rsplit("/", 1)[-1] in (lora.A, lora.B):
             continue
         param = name.removeprefix("params/")
         pattern, layout = hf.hf_name(family, param)
@@ -105,7 +105,8 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, dtype: str 
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        weight_map = _write_shards(ckpt, step, shards, tmp, cast)
+        adapters, names = lora.from_raw(record["config"]), set(record["leaves"])
+        weight_map = _write_shards(lambda leaf: _merged(ckpt, step, leaf, adapters, names), shards, tmp, cast)
         name = HF_DTYPE_NAMES[dtype] if dtype else _saved_dtype(record)
         raw = {**raw, "dtype": name, **({"torch_dtype": name} if "torch_dtype" in raw else {})}
         (tmp / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
@@ -130,9 +131,9 @@ def _saved_dtype(record: dict) -> str:
     return "bfloat16" if dtypes == {"bfloat16"} else "float32"
 
 
-def _write_shards(ckpt: Any, step: int, shards: list[list[_Tensor]], folder: Path,
-                  cast: np.dtype | None) -> dict[str, str]:
-    """Each shard's header from the plan, then its tensors streamed in: one leaf in memory."""
+def _write_shards(read: Any, shards: list[list[_Tensor]], folder: Path, cast: np.dtype | None) -> dict[str, str]:
+    """Each shard's header from the plan, then its tensors streamed in: one leaf in memory
+    (a kernel with LoRA adapters merged with them as it is read)."""
     weight_map, current = {}, (None, None)
     for i, shard in enumerate(shards, 1):
         file = hf.SINGLE if len(shards) == 1 else f"model-{i:05d}-of-{len(shards):05d}.safetensors"
@@ -147,8 +148,20 @@ def _write_shards(ckpt: Any, step: int, shards: list[list[_Tensor]], folder: Pat
             write_header(f, header)
             for t in shard:
                 if current[0] != t.leaf:  # each leaf read once, whole; its layers written in order
-                    value = ckpt.read_array(step, t.leaf)
+                    value = read(t.leaf)
                     current = (t.leaf, value.astype(cast) if cast is not None else value)
                 layer = current[1] if t.layer is None else current[1][t.layer]
                 np.ascontiguousarray(hf.LAYOUTS[t.layout].to_hf(layer)).tofile(f)
     return weight_map
+
+
+def _merged(ckpt: Any, step: int, leaf: str, adapters: LoraConfig | None, names: set[str]) -> np.ndarray:
+    """Leaf ``leaf``, plus ``alpha / r x lora_A @ lora_B`` where the checkpoint (its leaf
+    ``names``) has adapters for it."""
+    value = ckpt.read_array(step, leaf)
+    module = leaf.rsplit("/", 1)[0]
+    if adapters is None or not leaf.endswith("/kernel") or f"{module}/{lora.A}" not in names:
+        return value
+    a, b = ckpt.read_array(step, f"{module}/{lora.A}"), ckpt.read_array(step, f"{module}/{lora.B}")
+    delta = np.matmul(a.astype(np.float32), b.astype(np.float32)) * lora.scale_of(adapters)
+    return (value.astype(np.float32) + delta.reshape(value.shape)).astype(value.dtype)
