@@ -140,11 +140,11 @@ def test_completion_only_loss_equals_hand_computed(tmp_path):
 
 def test_zero3_accumulation_equals_one_big_batch(devices, tmp_path):
     """Rows with different numbers of trained tokens: ZeRO-3 on 8 devices with 2 micro-batches
-    trains as the plain optax loop on one device over the whole batch, whose loss is
+    (full remat: the layers' backward recomputes them from the packed segments) trains as the plain optax loop on one device over the whole batch, whose loss is
     sum(w x ce) / sum(w) of raw weights (losses rtol 1e-5, params after 4 steps)."""
     tokens, _ = bytes_tokens(tmp_path, arithmetic(200, seed=3))
     layout = packer.plan(tokens.starts, SEQ)
-    init_fn, loss_fn = gpt.make(GPT)
+    init_fn, loss_fn = gpt.make(dataclasses.replace(GPT, remat="full"))  # the recompute sees the segments too
     cfg = config(3, 2, batch=16, dp_size=8)
     state = jzero.init(init_fn, cfg, loss_fn=loss_fn, rng=jax.random.key(0), mesh=jzero.make_mesh(cfg))
     tx = optax.adamw(LR, eps=EPS, weight_decay=WD)

@@ -274,8 +274,8 @@ def stages(cfg: GPTConfig) -> Stages:
         return model.apply({"params": ends}, batch["inputs"], batch.get("positions"), method=GPT.embed)
 
     def layers(stack, x, batch=None):
-        shared = packing.shared_of(batch)
-        return run_stack(lambda p, h, _: block.apply({"params": p}, h, *shared), x, stack["stacked"], None, cfg.remat)
+        return run_stack(lambda p, h, _, *shared: block.apply({"params": p}, h, *shared), x, stack["stacked"], None,
+                         cfg.remat, packing.shared_of(batch))
 
     def head(ends, x, batch):
         targets = batch["targets"] if cfg.loss_tile else None

@@ -10,8 +10,9 @@ dimension (`jzero.zero.sharding.STACKED_KEY`). One function serves Linen and NNX
 Blocks map ``x -> x`` (same shape; leading dim = batch); ``x`` may be a pytree carried
 through the stack (the MoE GPT carries its `jzero.models.moe.MoEStats` beside the hidden state).
 Arguments after ``x`` are ``shared``: every layer gets the same values (packed documents' segment
-ids and positions, `jzero.models.packing`). The scanned body closes over them rather than
-carrying them, so they are not part of the carry that remat saves and the hooks differentiate.
+ids and positions, `jzero.models.packing`). `run_stack` hands them to each layer as part of its
+scanned extras (broadcast over the layers: a few ints a token a layer), never by closure: a
+remat policy's backward is traced after the loss, where a closed-over value no longer exists.
 Both frameworks hand `run_stack` a pure ``apply_layer`` and the stacked params, so the
 per-layer ZeRO hooks (`jzero.zero.hooks`: gather each layer's params before use, reduce-scatter its
 gradient after) live in one place.
@@ -52,14 +53,18 @@ def scan_layers(block: nn.Module | Callable[[nnx.Rngs], nnx.Module], length: int
     return NNXScanLayers(block, length, remat_policy=remat_policy, rngs=rngs)
 
 
-def run_stack(apply_layer: Callable[[Any, Any, Any], Any], x: Any, stacked: Any, extra: Any,
-              remat_policy: str) -> Any:
-    """Scan ``apply_layer(layer_params, x, layer_extra)`` over the leading (layer) axis.
+def run_stack(apply_layer: Callable[..., Any], x: Any, stacked: Any, extra: Any, remat_policy: str,
+              shared: tuple = ()) -> Any:
+    """Scan ``apply_layer(layer_params, x, layer_extra, *shared)`` over the leading (layer) axis.
 
     The one code path of both frameworks. Under the jzero step at stages 2-3 the body is the
     per-layer ZeRO hook (`jzero.zero.hooks`); otherwise a plain scan body under the remat policy.
     """
     policy = remat.policy(remat_policy)
+    if shared:
+        layers = jax.tree.leaves(stacked)[0].shape[0]
+        extra = (extra, jax.tree.map(lambda s: jnp.broadcast_to(s, (layers, *s.shape)), shared))
+        apply_layer = _sharing(apply_layer)
     scale = lora.current_scale()
     if scale is not None:  # each layer's adapters merged where it runs (after ZeRO-3's gather)
         apply_layer = _merging(apply_layer, scale)
@@ -77,6 +82,10 @@ def run_stack(apply_layer: Callable[[Any, Any, Any], Any], x: Any, stacked: Any,
     elif policy is not None:
         body = jax.checkpoint(body, policy=policy, prevent_cse=False)
     return jax.lax.scan(body, x, (stacked, extra))[0]
+
+
+def _sharing(apply_layer: Callable[..., Any]) -> Callable[[Any, Any, Any], Any]:
+    return lambda params, h, extra: apply_layer(params, h, extra[0], *extra[1])
 
 
 def _merging(apply_layer: Callable[[Any, Any, Any], Any], scale: float) -> Callable[[Any, Any, Any], Any]:
@@ -121,12 +130,12 @@ class LinenScanLayers(nn.Module):
         use_dropout = self.has_rng("dropout")
         keys = jax.random.split(self.make_rng("dropout") if use_dropout else jax.random.key(0), self.length)
 
-        def apply_layer(params, h, extra):
+        def apply_layer(params, h, extra, *shared):
             key, *value = extra
             return block.apply({"params": params}, h, *value, *shared, rngs={"dropout": key} if use_dropout else None)
 
         extra = (keys,) if values is None else (keys, values)
-        return run_stack(apply_layer, x, stacked, extra, self.remat_policy)
+        return run_stack(apply_layer, x, stacked, extra, self.remat_policy, shared)
 
 
 class NNXScanLayers(nnx.Module):
@@ -145,7 +154,7 @@ class NNXScanLayers(nnx.Module):
     def __call__(self, x, *shared):
         graphdef, params, rest = nnx.split(getattr(self, STACKED_KEY), nnx.Param, ...)
 
-        def apply_layer(layer_params, h, layer_rest):
+        def apply_layer(layer_params, h, layer_rest, *shared):
             return nnx.merge(graphdef, layer_params, layer_rest)(h, *shared)
 
-        return run_stack(apply_layer, x, params, rest, self.remat_policy)
+        return run_stack(apply_layer, x, params, rest, self.remat_policy, shared)

@@ -191,9 +191,9 @@ def stages(cfg: LlamaConfig) -> Stages | None:
     model, block = Llama(cfg), Block(cfg)
 
     def layers(stack, x, batch=None):
-        n, shared = jax.tree.leaves(stack)[0].shape[0], packing.shared_of(batch)
-        return run_stack(lambda p, h, w: block.apply({"params": p}, h, w, *shared), x, stack["stacked"],
-                         _windows(cfg, n), cfg.remat)
+        n = jax.tree.leaves(stack)[0].shape[0]
+        return run_stack(lambda p, h, w, *shared: block.apply({"params": p}, h, w, *shared), x, stack["stacked"],
+                         _windows(cfg, n), cfg.remat, packing.shared_of(batch))
 
     def head(ends, x, batch):
         targets = batch["targets"] if cfg.loss_tile else None

@@ -46,7 +46,7 @@ def export_peft(checkpoint: str | os.PathLike, out: str | os.PathLike) -> dict[s
         raise ConfigError(f"export --peft: {out} exists and is not empty")
     tensors, modules = {}, set()
     for name in sorted(record["leaves"]):
-        if not name.endswith(f"/{lora.A}"):
+        if not (name.startswith("params/") and name.endswith(f"/{lora.A}")):
             continue
         module = name.removeprefix("params/").rsplit("/", 1)[0]
         pattern, _ = hf.hf_name(family, f"{module}/kernel")
