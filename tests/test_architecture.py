@@ -142,17 +142,17 @@ def test_the_cycle_check_finds_cycles():
 def test_config_is_the_bottom_of_the_import_graph():
     """The config package imports no jzero module outside itself: the schema uses its generic
     parser, elasticity's arithmetic and the model, attention and parallel sections, which import no
-    jzero module but the parser (the model section the attention one)."""
+    jzero module but the parser (the model section the attention one; the data section none)."""
     assert GRAPH["jzero.config"] == {"jzero.config.typed", "jzero.config.elastic", "jzero.config.attention",
-                                     "jzero.config.model", "jzero.config.parallel"}
+                                     "jzero.config.model", "jzero.config.parallel", "jzero.config.data"}
     assert GRAPH["jzero.config.model"] == {"jzero.config.attention"}
     assert GRAPH["jzero.config.parallel"] == {"jzero.config.typed"}
     assert (GRAPH["jzero.config.typed"] == GRAPH["jzero.config.elastic"] == GRAPH["jzero.config.hf"]
-            == GRAPH["jzero.config.attention"] == set())
+            == GRAPH["jzero.config.attention"] == GRAPH["jzero.config.data"] == set())
     assert GRAPH["jzero.config.paramtable"] == {"jzero.config"}
     assert {name for name in MODULES if name.startswith("jzero.config")} == {  # a new module here is checked too
         "jzero.config", "jzero.config.typed", "jzero.config.elastic", "jzero.config.paramtable", "jzero.config.hf",
-        "jzero.config.attention", "jzero.config.model", "jzero.config.parallel"}
+        "jzero.config.attention", "jzero.config.model", "jzero.config.parallel", "jzero.config.data"}
 
 
 @pytest.mark.parametrize("layer", LAYERS)

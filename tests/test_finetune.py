@@ -242,3 +242,17 @@ def test_assistant_only_mask_is_the_assistant_turns(tmp_path, chatml):
     assert chatml.tokenizer.decode(doc.tokens.tolist(), skip_special_tokens=False) == chatml.chat(chat, False) + \
         "<|endoftext|>"
     assert next(records.documents(path, DataConfig(assistant_only_loss=False), chatml)).mask.all()
+
+
+def test_conversational_prompt_completion_trains_the_completion(tmp_path, chatml):
+    """TRL's conversational prompt-completion: the completion-only tokens are what the template
+    adds after the generation prompt (the answer and its end-of-turn marker)."""
+    rows = [{"prompt": [{"role": "user", "content": "def f(x):\n    \"\"\"Twice x.\"\"\""}],
+             "completion": [{"role": "assistant", "content": "    return 2 * x"}]}]
+    path = write_jsonl(tmp_path / "pc.jsonl", rows)
+    doc = next(records.documents(path, DataConfig(), chatml))
+    trained = chatml.tokenizer.decode(doc.tokens[doc.mask == 1].tolist(), skip_special_tokens=False)
+    assert trained == "    return 2 * x<|im_end|>\n<|endoftext|>"
+    write_jsonl(path, [{"prompt": "a", "completion": [{"role": "assistant", "content": "b"}]}])
+    with pytest.raises(ConfigError, match="row 1: field 'prompt' is a string and 'completion' a list"):
+        next(records.documents(path, DataConfig(), chatml))

@@ -18,12 +18,13 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from jzero.config.attention import AttentionConfig, SparseAttentionConfig
+from jzero.config.data import DataConfig
 from jzero.config.elastic import micro_batch, v01, v02
 from jzero.config.model import ModelConfig
 from jzero.config.parallel import PipelineConfig, TensorParallelConfig, TPLayerSpec, data_devices, model_parallel_size
 from jzero.config.typed import AUTO, ConfigError, ConfigWarning, auto_field, parse, read_json, to_dict, unknown
 
-__all__ = ["AUTO", "AttentionConfig", "ConfigError", "ConfigWarning", "ModelConfig",  # re-exported
+__all__ = ["AUTO", "AttentionConfig", "ConfigError", "ConfigWarning", "DataConfig", "ModelConfig",  # re-exported
            "PipelineConfig", "SparseAttentionConfig", "TPLayerSpec", "TensorParallelConfig", "data_devices",
            "model_parallel_size", "read_json", "unknown"]
 
@@ -180,29 +181,6 @@ class MoEConfig:
     top2_2nd_expert_sampling: bool = True
     aux_loss_coef: float = 0.01
     expert_interval: int = 1
-
-
-@dataclass(frozen=True)
-class DataConfig:
-    """Training data: ``path`` is a text file/folder or a token file (.npy / .bin); none = the
-    bundled corpus (the Python standard library's sources, byte level). Records files (JSON
-    lines or Parquet, `jzero.tasks.records`) are fine-tuning data: ``format`` and the field names
-    say how to read them, the loss flags which tokens train, ``packing`` whether documents share
-    rows (`jzero.tasks.packer`), ``cache`` whether their tokens are kept beside the data."""
-
-    path: str | None = None
-    dtype: Literal["uint8", "uint16", "int32"] = "uint16"
-    heldout_fraction: float = 0.05
-    max_bytes: int = 4_000_000
-    format: Literal["auto", "text", "messages", "prompt_completion"] = "auto"
-    text_field: str = "text"
-    messages_field: str = "messages"
-    prompt_field: str = "prompt"
-    completion_field: str = "completion"
-    completion_only_loss: bool = True
-    assistant_only_loss: bool = True
-    packing: bool = True
-    cache: bool = True
 
 
 @dataclass(frozen=True)

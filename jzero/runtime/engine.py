@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -17,7 +18,7 @@ import numpy as np
 
 from jzero import tasks
 from jzero.analysis import profile
-from jzero.config import Config
+from jzero.config import Config, ConfigWarning
 from jzero.models import attention, hfconfig
 from jzero.runtime import hf
 from jzero.runtime.checkpoint import Checkpointer
@@ -36,6 +37,17 @@ def pretrained(config: Config, model: Any) -> Any:
     if directory is None:
         return None
     return hf.lazy_params(directory, hfconfig.spec(config).name, jax.eval_shape(model.init_fn, jax.random.key(0)))
+
+
+def _starting(config: Config, model: Any) -> Any:
+    """Training's starting weights: the Hugging Face directory's, or None (random) for none, or
+    for a directory with a config and a tokenizer but no weights (pretraining from scratch)."""
+    directory = config.jzero.model.hf
+    if directory is not None and not hf.has_weights(directory):
+        warnings.warn(f"jzero.model.hf: {directory} holds no weights ({hf.SINGLE} or {hf.INDEX}): training starts "
+                      "from random weights of its architecture", ConfigWarning, stacklevel=2)
+        return None
+    return pretrained(config, model)
 
 
 class Engine:
@@ -60,7 +72,7 @@ class Engine:
             self.watch.pause()
         else:
             self.state = init(init_fn, config, loss_fn=loss_fn, rng=jax.random.key(config.seed), mesh=mesh,
-                              stages=self.model.stages, params=pretrained(config, self.model))
+                              stages=self.model.stages, params=_starting(config, self.model))
         self.config = self.state.config  # batch rule resolved for the real mesh
 
     def header(self, flags: list[str]) -> list[str]:

@@ -83,6 +83,11 @@ def hf_name(family: str, name: str) -> tuple[str, str]:
     raise KeyError(f"no Hugging Face name for the {family} param {name}")
 
 
+def has_weights(directory: str | Path) -> bool:
+    """Whether a Hugging Face directory holds weights (one safetensors file or an index)."""
+    return (Path(directory) / INDEX).is_file() or (Path(directory) / SINGLE).is_file()
+
+
 class Tensors:
     """The tensors of a directory's safetensors files (one, or shards with an index), each a
     read-only memory-mapped numpy view, opened when first asked for."""

@@ -9,8 +9,10 @@ of them (sorted by path). Each record is one of three formats, as TRL's SFTTrain
   end-of-turn marker) are trained on, found by rendering the conversation turn by turn: an
   assistant turn is the text between the rendering up to it (with the generation prompt) and
   the rendering through it;
-* ``prompt`` + ``completion``: strings, tokenized apart and joined; with
-  ``completion_only_loss`` only the completion's tokens are trained on.
+* ``prompt`` + ``completion``: strings, tokenized apart and joined, or lists of messages
+  (TRL's conversational prompt-completion: the prompt rendered with the generation prompt, the
+  completion as what the template adds after it); with ``completion_only_loss`` only the
+  completion's tokens are trained on.
 
 The format is read from the fields present (``jzero.data.format: auto``) or fixed; the field
 names are configurable. A document ends with the tokenizer's EOS, trained on where its last
@@ -113,6 +115,9 @@ def _field(record: dict, cfg: DataConfig, key: str, where: str, kind: type) -> A
     if name not in record:
         raise ConfigError(f"jzero.data.path: {where}: missing field '{name}' (jzero.data.{key})")
     value = record[name]
+    if kind is str and isinstance(value, list) and key in ("prompt_field", "completion_field"):
+        raise ConfigError(f"jzero.data.path: {where}: field '{cfg.prompt_field}' is a string and "
+                          f"'{cfg.completion_field}' a list; give both as text or both as messages")
     if not isinstance(value, kind):
         raise ConfigError(f"jzero.data.path: {where}: field '{name}' must be a {kind.__name__}, "
                           f"got {type(value).__name__}")
@@ -125,20 +130,34 @@ def _text(record: dict, cfg: DataConfig, tokenizer: Any, where: str) -> tuple[li
 
 
 def _prompt_completion(record: dict, cfg: DataConfig, tokenizer: Any, where: str) -> tuple[list[int], list[int]]:
-    prompt = tokenizer.encode(_field(record, cfg, "prompt_field", where, str))
-    completion = tokenizer.encode(_field(record, cfg, "completion_field", where, str), special=False)
-    return prompt + completion, [0 if cfg.completion_only_loss else 1] * len(prompt) + [1] * len(completion)
+    if isinstance(record.get(cfg.prompt_field), list):  # conversational: lists of messages
+        prompt = _checked_messages(_field(record, cfg, "prompt_field", where, list), cfg.prompt_field, where)
+        answer = _checked_messages(_field(record, cfg, "completion_field", where, list), cfg.completion_field, where)
+        render = _renderer(tokenizer, where)
+        asked, whole = render(prompt, True), render(prompt + answer, False)
+        if not whole.startswith(asked):
+            raise ConfigError(f"jzero.data.path: {where}: the chat template renders the prompt differently alone "
+                              "and followed by the completion, so the completion cannot be found")
+        prompt_ids, answer_ids = tokenizer.encode(asked, special=False), tokenizer.encode(whole[len(asked):], False)
+    else:
+        prompt_ids = tokenizer.encode(_field(record, cfg, "prompt_field", where, str))
+        answer_ids = tokenizer.encode(_field(record, cfg, "completion_field", where, str), special=False)
+    return prompt_ids + answer_ids, [0 if cfg.completion_only_loss else 1] * len(prompt_ids) + [1] * len(answer_ids)
+
+
+def _checked_messages(messages: list, field: str, where: str) -> list:
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("content"), str):
+            raise ConfigError(f"jzero.data.path: {where}: field '{field}'[{i}] must be "
+                              "{\"role\": ..., \"content\": \"...\"}")
+        if message.get("role") not in ROLES:
+            raise ConfigError(f"jzero.data.path: {where}: field '{field}'[{i}]: unknown role "
+                              f"{message.get('role')!r}; valid: {', '.join(ROLES)}")
+    return messages
 
 
 def _messages(record: dict, cfg: DataConfig, tokenizer: Any, where: str) -> tuple[list[int], list[int]]:
-    messages = _field(record, cfg, "messages_field", where, list)
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("content"), str):
-            raise ConfigError(f"jzero.data.path: {where}: field '{cfg.messages_field}'[{i}] must be "
-                              "{\"role\": ..., \"content\": \"...\"}")
-        if message.get("role") not in ROLES:
-            raise ConfigError(f"jzero.data.path: {where}: field '{cfg.messages_field}'[{i}]: unknown role "
-                              f"{message.get('role')!r}; valid: {', '.join(ROLES)}")
+    messages = _checked_messages(_field(record, cfg, "messages_field", where, list), cfg.messages_field, where)
     render = _renderer(tokenizer, where)
     full = render(messages, False)
     spans = []
