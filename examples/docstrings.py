@@ -15,7 +15,8 @@ are every tenth):
 * ``pairs.jsonl``: one conversational prompt/completion a function that has a docstring: the
   user's message is the function's signature and docstring, the assistant's its body. The
   held-out files' functions come last, and ``heldout_fraction`` (printed) cuts exactly there,
-  so no held-out function's code was seen in pretraining or fine-tuning.
+  so no held-out function's code was seen in pretraining or fine-tuning;
+* ``heldout.jsonl``: the held-out pairs alone (for ``jzero eval``).
 
 docs/finetune.md walks through the demo; benchmarks/finetune_demo.py runs and measures it.
 """
@@ -87,7 +88,7 @@ def write_model(out: Path) -> None:
               "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 256, "rms_norm_eps": 1e-6,
               "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "hidden_act": "silu",
               "tie_word_embeddings": True, "attention_bias": False, "mlp_bias": False, "bos_token_id": None,
-              "eos_token_id": eos, "pad_token_id": None, "dtype": "float32"}
+              "eos_token_id": [eos, tok.token_to_id(SPECIALS[2])], "pad_token_id": None, "dtype": "float32"}
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     print(f"wrote {out}: Llama config (no weights) and a {VOCAB}-token BPE tokenizer")
 
@@ -104,10 +105,14 @@ def write_data(out: Path) -> dict:
             corpus.append(text)
     with open(out / "corpus.jsonl", "w") as f:
         f.writelines(json.dumps({"text": t}) + "\n" for t in corpus)
+    def record(head: str, body: str) -> str:
+        return json.dumps({"prompt": [{"role": "user", "content": head}],
+                           "completion": [{"role": "assistant", "content": body}]}) + "\n"
+
     with open(out / "pairs.jsonl", "w") as f:
-        for head, body in train_pairs + heldout_pairs:
-            f.write(json.dumps({"prompt": [{"role": "user", "content": head}],
-                                "completion": [{"role": "assistant", "content": body}]}) + "\n")
+        f.writelines(record(*pair) for pair in train_pairs + heldout_pairs)
+    with open(out / "heldout.jsonl", "w") as f:
+        f.writelines(record(*pair) for pair in heldout_pairs)
     fraction = len(heldout_pairs) / (len(train_pairs) + len(heldout_pairs))
     return {"corpus_files": len(corpus), "train_pairs": len(train_pairs), "heldout_pairs": len(heldout_pairs),
             "heldout_fraction": fraction}

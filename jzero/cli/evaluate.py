@@ -13,7 +13,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_config_arguments(ev)
     ev.add_argument("--checkpoint", help="a jzero checkpoint or exported .safetensors (default: --hf's weights)")
     ev.add_argument("--data", required=True,
-                    help='JSON lines of {"text": ...} (a document a line), a text file (one document) or a folder')
+                    help='JSON lines of {"text": ...} (a document a line), a text file (one document) or a folder; '
+                    'fine-tuning records (.jsonl / .parquet of messages or prompt/completion) count only the '
+                    'tokens their loss trains')
     ev.add_argument("--batch", type=int, default=8, help="documents a call, rounded up to the devices (default 8)")
     ev.add_argument("--json", action="store_true", help="print one JSON object: loss, perplexity, tokens, documents")
     ev.set_defaults(func=run)
@@ -33,6 +35,7 @@ def run(args: argparse.Namespace) -> int:
     from jzero.models import lora
     from jzero.runtime import engine, evaluate
     from jzero.runtime.weights import read_params
+    from jzero.tasks import records
     from jzero.tasks.text import documents
     from jzero.train.resolve import load_config
     from jzero.train.state import init
@@ -48,13 +51,19 @@ def run(args: argparse.Namespace) -> int:
     except FileNotFoundError as e:
         raise UsageError(f"--checkpoint: {e}") from None
     state = init(model.init_fn, config, loss_fn=model.loss_fn, rng=0, params=params, stages=model.stages)
+    masks = None
     try:
-        docs = [tokenizer.encode(doc) for doc in documents(args.data, key="--data")]
+        if records.is_records(args.data) and records.first_format(args.data, config.jzero.data) != "text":
+            # chats and prompt/completion pairs: their loss masks say what counts
+            found = list(records.documents(args.data, config.jzero.data, tokenizer))
+            docs, masks = [d.tokens for d in found], [d.mask for d in found]
+        else:
+            docs = [tokenizer.encode(doc) for doc in documents(args.data, key="--data")]
     except ConfigError:
         raise
     except ValueError as e:  # a model without a tokenizer
         raise UsageError(f"--data: {e}") from None
-    tokens, mask = evaluate.rows(docs, model.spec.seq_len)
+    tokens, mask = evaluate.rows(docs, model.spec.seq_len, masks)
     devices = jax.device_count()
     batch = -(-args.batch // devices) * devices
     params = lora.for_inference(state.params, config.jzero.lora)

@@ -40,6 +40,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--seed", type=int, default=0, help="the sampling seed (default 0)")
     gen.add_argument("--stop", type=int, help="a token id that ends generation (default: the tokenizer's EOS)")
     gen.add_argument("--json", action="store_true", help="print one JSON object: prompt_ids, token_ids, text")
+    gen.add_argument("--chat", action="store_true", help="send --prompt as one user message through the "
+                     "tokenizer's chat template (as /v1/chat/completions does) and print only the reply")
     gen.set_defaults(func=run)
 
 
@@ -99,10 +101,15 @@ def _trained_dp(raw: dict) -> int:
     return 1
 
 
-def prompt_tokens(tokenizer, text: str | None, ids: list[int] | None) -> list[int]:
-    """The prompt as token ids: ``text`` through the model's tokenizer, else ``ids``."""
+def prompt_tokens(tokenizer, text: str | None, ids: list[int] | None, chat: bool = False) -> list[int]:
+    """The prompt as token ids: ``text`` through the model's tokenizer (``chat``: as a user
+    message rendered with its chat template), else ``ids``."""
+    if chat and text is None:
+        raise UsageError("--chat: needs --prompt (text for the user message)")
     if text is not None:
         try:
+            if chat:
+                return tokenizer.encode(tokenizer.chat([{"role": "user", "content": text}]), special=False)
             return tokenizer.encode(text)
         except ValueError as e:
             raise UsageError(f"--prompt: {e} (--prompt-ids)") from None
@@ -119,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
 
     config, eng = engine_from(args)
     tokenizer = for_model(eng.decoder.vocab_size, config.jzero.model.hf)
-    tokens = prompt_tokens(tokenizer, args.prompt, args.prompt_ids)
+    tokens = prompt_tokens(tokenizer, args.prompt, args.prompt_ids, args.chat)
     vocab = eng.decoder.vocab_size
     stops = [args.stop] if args.stop is not None else tokenizer.eos
     if args.stop is not None and not 0 <= args.stop < vocab:
@@ -138,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
         generated = list(stream(eng, request))
         print(json.dumps({"prompt_ids": tokens, "token_ids": generated, "text": words.of(generated)}))
         return 0
-    if args.prompt is not None:
+    if args.prompt is not None and not args.chat:
         sys.stdout.write(args.prompt)
     for token in stream(eng, request):
         sys.stdout.write(words.piece(token))

@@ -5,11 +5,14 @@ a Hugging Face ``tokenizer.json``'s post-processor decides BOS/EOS), cut to the 
 (``seq_len`` tokens), and contributes every position it predicts (length - 1): the loss is the
 mean over all predicted positions of all documents, as transformers' loss over the same rows
 is. Rows are padded to the context (one compiled shape) and batched over the devices; the
-padding is masked out of the sum. The params stay in the layout they were placed in (a ZeRO-3
+padding is masked out of the sum. Fine-tuning records (`jzero.tasks.records`) count only the
+tokens their loss mask trains: a prompt/completion file's completions, a chat's assistant turns.
+The params stay in the layout they were placed in (a ZeRO-3
 model evaluates sharded).
 """
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable
 from typing import Any, NamedTuple
@@ -36,16 +39,21 @@ class Result(NamedTuple):
         return {"loss": self.loss, "perplexity": self.perplexity, "tokens": self.tokens, "documents": self.documents}
 
 
-def rows(documents: Iterable[list[int]], seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+def rows(documents: Iterable[list[int]], seq_len: int,
+         masks: Iterable[np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(tokens [n, seq_len + 1] padded with 0, mask [n, seq_len] of the predicted positions):
-    each document cut to ``seq_len`` tokens, then predicting its tokens 1..len-1."""
+    each document cut to ``seq_len`` tokens, then predicting its tokens 1..len-1 (those a
+    document's loss mask keeps, given ``masks``: fine-tuning records' completions)."""
     toks, mask = [], []
-    for ids in documents:
+    for ids, keep in zip(documents, itertools.repeat(None) if masks is None else masks):
         ids = list(ids)[:seq_len]
         row = np.zeros(seq_len + 1, np.int32)
         row[:len(ids)] = ids
         toks.append(row)
-        mask.append(np.arange(seq_len) < len(ids) - 1)
+        predicted = np.arange(seq_len) < len(ids) - 1
+        if keep is not None:
+            predicted &= np.pad(np.asarray(keep[1:len(ids)], bool), (0, seq_len - len(ids) + 1))
+        mask.append(predicted)
     if not toks:
         raise ConfigError("jzero eval --data: no documents found")
     return np.stack(toks), np.stack(mask)

@@ -98,6 +98,13 @@ def _parquet_rows(file: Path) -> Iterator[tuple[int, Any]]:
             yield number, record
 
 
+def first_format(path: str | Path, cfg: DataConfig) -> str:
+    """The format of ``path``'s first record (`detect`)."""
+    file = files(path)[0]
+    number, record = next(rows(file))
+    return detect(record, cfg, f"{file} row {number}")
+
+
 def detect(record: dict, cfg: DataConfig, where: str) -> str:
     """The record's format: ``jzero.data.format``, or the first whose fields it has."""
     if cfg.format != "auto":
