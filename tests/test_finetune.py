@@ -256,3 +256,35 @@ def test_conversational_prompt_completion_trains_the_completion(tmp_path, chatml
     write_jsonl(path, [{"prompt": "a", "completion": [{"role": "assistant", "content": "b"}]}])
     with pytest.raises(ConfigError, match="row 1: field 'prompt' is a string and 'completion' a list"):
         next(records.documents(path, DataConfig(), chatml))
+
+
+def test_pipeline_trains_packed_rows_as_without_one(devices, tmp_path):
+    """Two pipeline stages (each chunk given its micro-batch's segments and positions, full remat)
+    train packed prompt/completion rows as the same model without a pipeline (losses rtol 1e-5)."""
+    tokens, _ = bytes_tokens(tmp_path, arithmetic(200, seed=4))
+    layout = packer.plan(tokens.starts, SEQ)
+    model = dataclasses.replace(GPT, remat="full", n_layers=4)
+    init_fn, loss_fn = gpt.make(model)
+    losses = {}
+    for p in (1, 2):
+        cfg = jzero.load_config({
+            "train_batch_size": 8, "gradient_accumulation_steps": 2, "gradient_clipping": 0.0,
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD, "eps": EPS}},
+            "pipeline": {"stages": p}, "jzero": {"mesh": {"devices": 4}}})
+        state = jzero.init(init_fn, cfg, loss_fn=loss_fn, rng=jax.random.key(0), stages=gpt.stages(model))
+        losses[p] = []
+        for s in range(3):
+            batch = packer.global_batch(tokens, layout, 0, "train", s, 8, state.plan.batch)
+            state, metrics = jzero.train_step(state, batch)
+            losses[p].append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses[2], losses[1], rtol=1e-5)
+
+
+def test_eval_rows_count_only_the_trained_tokens():
+    """`jzero eval`'s rows of a prompt/completion document keep the positions that predict its
+    completion (the loss mask of the predicted token), cut to the context."""
+    from jzero.runtime import evaluate
+    tokens, mask = evaluate.rows([np.arange(6)], 4, [np.array([0, 0, 0, 1, 1, 1], np.uint8)])
+    assert tokens.tolist() == [[0, 1, 2, 3, 0]] and mask.tolist() == [[False, False, True, False]]
+    _, plain = evaluate.rows([np.arange(6)], 8)
+    assert plain.tolist() == [[True] * 5 + [False] * 3]

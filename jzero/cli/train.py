@@ -28,8 +28,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     train = sub.add_parser("train", help="train the reference model from a DeepSpeed-style config")
     add_config_arguments(train)
     train.add_argument("--steps", type=int, help="train this many steps (default: jzero.train.steps)")
-    train.add_argument("--data", metavar="PATH", help="training data (jzero.data.path): with --hf, JSON lines of "
-                       '{"text": ...}, a text file or a folder, tokenized by the model\'s tokenizer')
+    train.add_argument("--data", metavar="PATH", help="training data (jzero.data.path): with --hf, a text file or "
+                       "folder, or .jsonl / .parquet records of text, chats or prompt/completion pairs (packed, "
+                       "trained on the answers: docs/finetune.md), tokenized by the model's tokenizer")
     train.add_argument("--out", default="runs/jzero", help="output folder for metrics (default: runs/jzero)")
     train.add_argument("--peak-tflops", type=float,
                        help="device peak TFLOP/s for MFU (default: known for H100/H200/A100/TPU, none on CPU)")
