@@ -129,7 +129,8 @@ def write(report: dict) -> None:
              f"pairs from files never trained on; pretraining on {report['data']['corpus_files']} files.", "",
              "| stage | seconds (2 CPU cores) | held-out loss |", "|---|---|---|"]
     if pre:
-        lines.append(f"| pretrain (text) | {pre['seconds']} | {pre['held_out'][0][1]:.3f} -> {pre['held_out'][-1][1]:.3f} |")
+        first, last = pre["held_out"][0][1], pre["held_out"][-1][1]
+        lines.append(f"| pretrain (text) | {pre['seconds']} | {first:.3f} -> {last:.3f} |")
     lines += [f"| LoRA fine-tune (completion only; every held-out pair) | {ft['seconds']} | {ft['before']:.3f} -> "
               f"{ft['after']:.3f} ({100 * ft['fall']:.1f}% lower) |", ""]
     for s in report["samples"]:

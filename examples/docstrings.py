@@ -98,7 +98,7 @@ def write_data(out: Path) -> dict:
     fraction that cuts pairs.jsonl at the held-out files."""
     out.mkdir(parents=True, exist_ok=True)
     train_pairs, heldout_pairs, corpus = [], [], []
-    for i, (path, text) in enumerate(sources()):
+    for i, (_, text) in enumerate(sources()):
         heldout = i % HELDOUT_EVERY == HELDOUT_EVERY - 1
         (heldout_pairs if heldout else train_pairs).extend(pairs(text))
         if not heldout:

@@ -9,13 +9,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import EPS, LR, WD, assert_params_close, config
 
 import jzero
 from jzero.config import AttentionConfig, ConfigError, DataConfig
 from jzero.inference.text import Bytes
 from jzero.models import gpt, llama, packing
 from jzero.tasks import packer, records, tokencache
+
+from helpers import EPS, LR, WD, assert_params_close, config
 
 SEQ = 32
 GPT = gpt.GPTConfig(seq_len=SEQ, d_model=32, n_heads=4, d_ff=64, remat="none")
@@ -98,8 +99,8 @@ def test_plan_keeps_every_target_once():
     for pack in (True, False):
         layout = packer.plan(starts, SEQ, pack)
         batch = rows_of(tokens, layout)
-        got = sorted(zip(batch["inputs"][batch["weights"] > 0].tolist(), batch["targets"][batch["weights"] > 0].tolist(),
-                         strict=True))
+        kept = batch["weights"] > 0
+        got = sorted(zip(batch["inputs"][kept].tolist(), batch["targets"][kept].tolist(), strict=True))
         want = sorted((int(a), int(b)) for d in docs for a, b in zip(d[:-1], d[1:], strict=False))
         assert got == want
         assert (batch["positions"][batch["segments"] == 0] == 0).all()
@@ -140,7 +141,8 @@ def test_completion_only_loss_equals_hand_computed(tmp_path):
 
 def test_zero3_accumulation_equals_one_big_batch(devices, tmp_path):
     """Rows with different numbers of trained tokens: ZeRO-3 on 8 devices with 2 micro-batches
-    (full remat: the layers' backward recomputes them from the packed segments) trains as the plain optax loop on one device over the whole batch, whose loss is
+    (full remat: the layers' backward recomputes them from the packed segments) trains as the
+    plain optax loop on one device over the whole batch, whose loss is
     sum(w x ce) / sum(w) of raw weights (losses rtol 1e-5, params after 4 steps)."""
     tokens, _ = bytes_tokens(tmp_path, arithmetic(200, seed=3))
     layout = packer.plan(tokens.starts, SEQ)

@@ -9,12 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import jzero_cli, token_batches
 
 import jzero
 from jzero.analysis import profile
 from jzero.config import ConfigError
 from jzero.models import gpt, lora
+
+from helpers import jzero_cli, token_batches
 
 GPT = gpt.GPTConfig(seq_len=32, d_model=32, n_heads=4, d_ff=64)
 LORA = {"r": 4, "alpha": 8, "target_modules": ["qkv", "fc"]}
@@ -115,7 +116,8 @@ def test_bad_lora_sections_are_named(section, message):
     init_fn, loss_fn = gpt.make(GPT)
     with pytest.raises(ConfigError, match=message):
         cfg = lora_config(0, 1, section)
-        jzero.init(init_fn, cfg, loss_fn=loss_fn, rng=jax.random.key(0), mesh=jzero.make_mesh(cfg, devices=jax.devices()[:1]))
+        mesh = jzero.make_mesh(cfg, devices=jax.devices()[:1])
+        jzero.init(init_fn, cfg, loss_fn=loss_fn, rng=jax.random.key(0), mesh=mesh)
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])

@@ -342,7 +342,8 @@ MOE_METRICS = ("lm_loss", "moe_aux_loss", "moe_dropped", "moe_load")
 
 def make(cfg: GPTConfig) -> tuple[Any, Any]:
     """(init_fn, loss_fn) for jzero.init; batches are {"inputs": (B, T), "targets": (B, T)} int32,
-    with optional loss weights and packed documents (`jzero.models.packing`). With MoE layers the loss is (cross entropy + aux_loss_coef x the aux loss summed over them,
+    with optional loss weights and packed documents (`jzero.models.packing`). With MoE layers
+    the loss is (cross entropy + aux_loss_coef x the aux loss summed over them,
     `MOE_METRICS`: the cross entropy and the per-layer mean aux loss, dropped fraction and load)."""
     tokens = jax.ShapeDtypeStruct((1, cfg.seq_len), jnp.int32)
     if cfg.loss_tile:  # the model computes the loss, tile by tile, from the inputs and the targets

@@ -55,7 +55,8 @@ def validate(cfg: LoraConfig) -> None:
         try:
             re.compile(pattern)
         except re.error as e:
-            raise ConfigError(f"jzero.lora.target_modules[{i}]: {pattern!r} is not a regular expression ({e})") from None
+            raise ConfigError(f"jzero.lora.target_modules[{i}]: {pattern!r} is not a regular expression "
+                              f"({e})") from None
 
 
 def targets(params: Any, cfg: LoraConfig) -> list[str]:
@@ -69,7 +70,8 @@ def targets(params: Any, cfg: LoraConfig) -> list[str]:
 
 
 def _names(params: Any) -> list[str]:
-    return [treepath.SEP.join(map(treepath.key_name, path)) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    return [treepath.SEP.join(map(treepath.key_name, path)) for path, _ in leaves]
 
 
 def with_adapters(params: Any, cfg: LoraConfig, rng: jax.Array) -> Any:

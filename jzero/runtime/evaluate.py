@@ -45,7 +45,7 @@ def rows(documents: Iterable[list[int]], seq_len: int,
     each document cut to ``seq_len`` tokens, then predicting its tokens 1..len-1 (those a
     document's loss mask keeps, given ``masks``: fine-tuning records' completions)."""
     toks, mask = [], []
-    for ids, keep in zip(documents, itertools.repeat(None) if masks is None else masks):
+    for ids, keep in zip(documents, itertools.repeat(None) if masks is None else masks, strict=False):
         ids = list(ids)[:seq_len]
         row = np.zeros(seq_len + 1, np.int32)
         row[:len(ids)] = ids
