@@ -197,11 +197,22 @@ def test_token_cache_reused_and_rebuilt(tmp_path):
     ([{"messages": [{"role": "user", "content": "hi"}]}], "row 1: chat messages need the tokenizer's chat template"),
     ([{"prompt": "a", "completion": 3}], "row 1: field 'completion' must be a str, got int"),
     ([], "data.jsonl is empty"),
+    ([{"prompt": "1+1=", "completion": ""}] * 3, "data.jsonl: no token is trained on"),
 ])
 def test_bad_records_name_file_row_and_field(tmp_path, rows, message):
     with pytest.raises(ConfigError, match="jzero.data.path: .*" + message.replace("+", r"\+").replace("[", r"\[")
                        .replace("(", r"\(")):
-        bytes_tokens(tmp_path, rows)
+        tokens, path = bytes_tokens(tmp_path, rows)
+        tokencache.check_trained(tokens, str(path))
+
+
+def test_records_are_found_by_suffix_in_any_case_and_must_be_utf8(tmp_path):
+    """DATA.JSONL is records, not raw text; a row that is not UTF-8 is named, not a traceback."""
+    upper = write_jsonl(tmp_path / "DATA.JSONL", arithmetic(3))
+    assert records.is_records(upper) and len(tokencache.build(upper, DataConfig(), Bytes())) == 3
+    upper.write_bytes(b'{"text": "ok"}\n\xff\xfe{"text": "bad"}\n')
+    with pytest.raises(ConfigError, match=r"DATA.JSONL row 2: not UTF-8 \(byte 0 of the row\)"):
+        tokencache.build(upper, DataConfig(), Bytes())
 
 
 def test_parquet_column_of_the_wrong_type(tmp_path):

@@ -125,7 +125,8 @@ def test_hf_lora_exports_merged_and_as_peft(tmp_path, kind):
     """Fine-tune a Hugging Face model's q/v projections (GPT-2: its fused c_attn) with LoRA at
     ZeRO-3 on chats, assistant turns only: the base weights in the checkpoint are bit-identical
     to the files'; `export --hf` loads in transformers with jzero's LoRA logits (rtol 1e-5);
-    `export --peft` loads onto the transformers base with PEFT and gives them too (rtol 1e-4)."""
+    `export --peft` loads onto the transformers base with PEFT and gives them too (rtol 1e-4);
+    `jzero eval` of the checkpoint, told nothing of LoRA, scores as the merged export does."""
     torch = pytest.importorskip("torch")
     peft = pytest.importorskip("peft")
     import dataclasses
@@ -165,6 +166,11 @@ def test_hf_lora_exports_merged_and_as_peft(tmp_path, kind):
     with torch.no_grad():
         theirs = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()(torch.tensor(tokens)).logits
     np.testing.assert_allclose(theirs.numpy(), mine, rtol=1e-5, atol=1e-5 * np.abs(mine).max())
+    if kind == "llama":  # eval of the LoRA checkpoint, jzero.lora read from it, = eval of the merged export
+        scores = [json.loads(jzero_cli("eval", "configs/hf_finetune.json", *how, "--data", str(data), "--json")
+                             .stdout)["loss"]
+                  for how in (("--hf", str(ref["dir"]), "--checkpoint", str(out / "checkpoints")), ("--hf", str(merged)))]
+        np.testing.assert_allclose(scores[0], scores[1], rtol=1e-5)
 
     adapter = tmp_path / "adapter"
     run = jzero_cli("export", str(out / "checkpoints"), "--peft", str(adapter))

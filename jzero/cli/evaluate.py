@@ -34,13 +34,13 @@ def run(args: argparse.Namespace) -> int:
     from jzero.inference import text
     from jzero.models import lora
     from jzero.runtime import engine, evaluate
-    from jzero.runtime.weights import read_params
+    from jzero.runtime.weights import read_params, with_saved_lora
     from jzero.tasks import records
     from jzero.tasks.text import documents
     from jzero.train.resolve import load_config
     from jzero.train.state import init
 
-    config = load_config(raw)
+    config = with_saved_lora(load_config(raw), args.checkpoint)
     model = models.build(config)
     if model.forward is None or not hasattr(model.spec, "vocab_size"):
         raise UsageError(f"jzero eval: scores language models (gpt, llama, a Hugging Face directory), not "

@@ -53,10 +53,10 @@ def engine_from(args: argparse.Namespace, slots: int | None = None) -> tuple:
 
     from jzero.inference import engine, storage
     from jzero.models import lora
-    from jzero.runtime.weights import read_params
+    from jzero.runtime.weights import read_params, with_saved_lora
     from jzero.train.resolve import load_config
 
-    config = load_config(raw, dp_size=_trained_dp(raw))
+    config = with_saved_lora(load_config(raw, dp_size=_trained_dp(raw)), args.checkpoint)
     if args.checkpoint is None and config.jzero.model.hf is None:
         raise UsageError("--checkpoint: give the weights (or --hf DIR, a Hugging Face model directory)")
     try:
@@ -112,7 +112,7 @@ def prompt_tokens(tokenizer, text: str | None, ids: list[int] | None, chat: bool
                 return tokenizer.encode(tokenizer.chat([{"role": "user", "content": text}]), special=False)
             return tokenizer.encode(text)
         except ValueError as e:
-            raise UsageError(f"--prompt: {e} (--prompt-ids)") from None
+            raise UsageError(f"--prompt: {e}" + ("" if chat else " (--prompt-ids)")) from None
     bad = [i for i in ids if not 0 <= i < tokenizer.vocab_size]
     if bad:
         raise UsageError(f"--prompt-ids: {bad[0]} is outside the vocabulary 0..{tokenizer.vocab_size - 1}")

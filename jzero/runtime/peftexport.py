@@ -38,8 +38,9 @@ def export_peft(checkpoint: str | os.PathLike, out: str | os.PathLike) -> dict[s
     if adapters is None:
         raise ConfigError(f"export --peft: {checkpoint} has no LoRA adapters (its config has no jzero.lora)")
     if source is None or not (Path(source) / "config.json").is_file():
-        raise ConfigError(f"export --peft: {checkpoint} was not trained from a Hugging Face directory that still "
-                          f"exists ({source}): PEFT adapters name the base model's modules")
+        where = "not from a Hugging Face directory" if source is None else f"from {source}, which is gone"
+        raise ConfigError(f"export --peft: {checkpoint} was trained {where}: PEFT adapters name the modules of a "
+                          "Hugging Face base model")
     family = hfconfig.from_dict(hfconfig.read(source)).name
     out = Path(out)
     if out.exists() and any(out.iterdir()):

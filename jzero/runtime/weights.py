@@ -12,6 +12,7 @@ in its saved dtype.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -22,6 +23,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from jzero.config import Config
+from jzero.models import lora
 from jzero.runtime.checkpoint import Checkpointer, CheckpointError
 from jzero.zero import treepath
 
@@ -129,3 +132,15 @@ def write_header(f: Any, header: dict[str, Any]) -> None:
     text += b" " * (-(len(text) + 8) % _ALIGN)
     f.write(struct.pack("<Q", len(text)))
     f.write(text)
+
+
+def with_saved_lora(config: Config, checkpoint: str | os.PathLike | None) -> Config:
+    """``config``, with the ``jzero.lora`` section a LoRA checkpoint was trained with when the
+    config has none (so eval, generate and serve of a checkpoint need not repeat it)."""
+    if checkpoint is None or config.jzero.lora is not None or Path(checkpoint).is_file():
+        return config
+    ckpt, step = resolve(checkpoint)
+    saved = lora.from_raw(ckpt.record(step)["config"])
+    if saved is None:
+        return config
+    return dataclasses.replace(config, jzero=dataclasses.replace(config.jzero, lora=saved))

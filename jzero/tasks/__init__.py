@@ -88,6 +88,7 @@ def _records_batches(config: Config, model: models.Model, tokenizer: Any) -> tup
                           f"{model.spec.vocab_size}) has no tokenizer: give jzero.model.hf a directory with one")
     tokens = tokencache.load(data.path, data, tokenizer)
     tokencache.check_vocab(tokens, model.spec.vocab_size, data.path)
+    tokencache.check_trained(tokens, data.path)
     splits = dict(zip(("train", "heldout"), packer.split(tokens, data.heldout_fraction), strict=True))
     plans = {name: packer.plan(part.starts, seq_len, data.packing) for name, part in splits.items()}
 

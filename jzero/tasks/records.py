@@ -46,8 +46,12 @@ def is_records(path: str | Path) -> bool:
     """Whether ``path`` is a records file, or a folder holding one."""
     path = Path(path)
     if path.is_dir():
-        return any(p.suffix in SUFFIXES for p in path.rglob("*") if p.is_file())
-    return path.suffix in SUFFIXES
+        return any(_suffix(p) in SUFFIXES for p in path.rglob("*") if p.is_file())
+    return _suffix(path) in SUFFIXES
+
+
+def _suffix(path: Path) -> str:
+    return path.suffix.lower()
 
 
 def files(path: str | Path) -> list[Path]:
@@ -55,7 +59,7 @@ def files(path: str | Path) -> list[Path]:
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"jzero.data.path: {path} does not exist")
-    found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in SUFFIXES) if path.is_dir() else [path]
+    found = sorted(p for p in path.rglob("*") if p.is_file() and _suffix(p) in SUFFIXES) if path.is_dir() else [path]
     if not found:
         raise ConfigError(f"jzero.data.path: {path} holds no {' or '.join(SUFFIXES)} file")
     return found
@@ -65,7 +69,7 @@ def rows(file: Path) -> Iterator[tuple[int, dict]]:
     """``(row number from 1, record)`` of a records file; ConfigError on an empty file or a
     row that is not an object."""
     count = 0
-    for number, record in (_parquet_rows(file) if file.suffix == ".parquet" else _jsonl_rows(file)):
+    for number, record in (_parquet_rows(file) if _suffix(file) == ".parquet" else _jsonl_rows(file)):
         if not isinstance(record, dict):
             raise ConfigError(f"jzero.data.path: {file} row {number}: expected an object with fields, "
                               f"got {type(record).__name__}")
@@ -76,8 +80,13 @@ def rows(file: Path) -> Iterator[tuple[int, dict]]:
 
 
 def _jsonl_rows(file: Path) -> Iterator[tuple[int, Any]]:
-    with file.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, 1):
+    with file.open("rb") as lines:
+        for number, raw in enumerate(lines, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ConfigError(f"jzero.data.path: {file} row {number}: not UTF-8 "
+                                  f"(byte {e.start} of the row)") from None
             if line.strip():
                 try:
                     yield number, json.loads(line)

@@ -108,6 +108,14 @@ def _write(built: Tokens, entry: Path) -> None:
             shutil.rmtree(other, ignore_errors=True)
 
 
+def check_trained(tokens: Tokens, source: str) -> None:
+    """ConfigError when no token is trained on (a document's first token never is: nothing predicts it)."""
+    trained = int(np.sum(tokens.mask, dtype=np.int64)) - int(np.sum(np.asarray(tokens.mask)[tokens.starts[:-1]]))
+    if trained <= 0:
+        raise ConfigError(f"jzero.data.path: {source}: no token is trained on (every completion or assistant turn "
+                          "is empty, or the loss flags mask everything)")
+
+
 def check_vocab(tokens: Tokens, vocab_size: int, source: str) -> None:
     """ConfigError when a token id does not fit the model's vocabulary."""
     top = int(tokens.tokens.max(initial=0))
