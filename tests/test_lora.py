@@ -167,9 +167,9 @@ def test_hf_lora_exports_merged_and_as_peft(tmp_path, kind):
         theirs = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()(torch.tensor(tokens)).logits
     np.testing.assert_allclose(theirs.numpy(), mine, rtol=1e-5, atol=1e-5 * np.abs(mine).max())
     if kind == "llama":  # eval of the LoRA checkpoint, jzero.lora read from it, = eval of the merged export
+        ways = (("--hf", str(ref["dir"]), "--checkpoint", str(out / "checkpoints")), ("--hf", str(merged)))
         scores = [json.loads(jzero_cli("eval", "configs/hf_finetune.json", *how, "--data", str(data), "--json")
-                             .stdout)["loss"]
-                  for how in (("--hf", str(ref["dir"]), "--checkpoint", str(out / "checkpoints")), ("--hf", str(merged)))]
+                             .stdout)["loss"] for how in ways]
         np.testing.assert_allclose(scores[0], scores[1], rtol=1e-5)
 
     adapter = tmp_path / "adapter"
