@@ -166,16 +166,12 @@ def applied(init_fn: Callable, loss_fn: Callable, stages: Stages | None, cfg: Lo
             return Variables(with_adapters(out.params, cfg, jax.random.fold_in(rng, SEED)), out.state)
         return with_adapters(out, cfg, jax.random.fold_in(rng, SEED))
 
-    def loss(params, *rest):
-        with scaled(scale):
-            return loss_fn(merged(params), *rest)
-
-    def staged(fn):
+    def merging(fn):  # the loss, or a pipeline stage: its unstacked adapters merged, the stacks' by run_stack
         def run(params, *rest):
             with scaled(scale):
                 return fn(merged(params), *rest)
         return run
 
     if stages is not None:
-        stages = stages._replace(embed=staged(stages.embed), layers=staged(stages.layers), head=staged(stages.head))
-    return init, loss, stages
+        stages = stages._replace(embed=merging(stages.embed), layers=merging(stages.layers), head=merging(stages.head))
+    return init, merging(loss_fn), stages
