@@ -19,7 +19,7 @@ import jax
 from jax.sharding import NamedSharding
 
 from jzero import models
-from jzero.analysis import hlo, profile
+from jzero.analysis import hlo, overlap, profile
 from jzero.analysis.hlo import DTYPE_BYTES
 from jzero.config import Config
 from jzero.models import attention
@@ -55,6 +55,7 @@ class Estimate:
     sequence: dict[str, float] = dataclasses.field(default_factory=dict)  # `long_sequence`
     model_comm: dict[str, float] = dataclasses.field(default_factory=dict)  # `model_parallel_comm`
     pipeline: dict[str, float] = dataclasses.field(default_factory=dict)  # `pipeline_plan`
+    accelerator: dict[str, float] = dataclasses.field(default_factory=dict)  # `accelerator_comm`
 
     def row(self) -> dict[str, Any]:
         m, a = self.memory, self.analytic
@@ -84,6 +85,7 @@ class Estimate:
             **self.sequence,
             **self.model_comm,
             **self.pipeline,
+            **self.accelerator,
         }
 
     def _quantized(self) -> dict[str, Any]:
@@ -134,11 +136,12 @@ class CompiledStep(NamedTuple):
     compile_s: float
 
 
-def compile_step(config: Config) -> CompiledStep:
-    """The config's training step compiled on abstract shapes for its reference model; nothing
-    is allocated."""
+def compile_step(config: Config, devices: list[Any] | None = None) -> CompiledStep:
+    """The config's training step compiled on abstract shapes for its reference model, for
+    ``devices`` (default: this host's; `jzero.analysis.target.devices` for a TPU topology);
+    nothing is allocated."""
     model = models.build(config)
-    state = abstract_init(model.init_fn, config, loss_fn=model.loss_fn, mesh=make_mesh(config),
+    state = abstract_init(model.init_fn, config, loss_fn=model.loss_fn, mesh=make_mesh(config, devices),
                           stages=model.stages)
     batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=state.plan.batch)
              for k, v in model.batch_spec(state.config.train_batch_size).items()}
@@ -147,13 +150,14 @@ def compile_step(config: Config) -> CompiledStep:
     return CompiledStep(compiled, state, batch, model, time.perf_counter() - t0)
 
 
-def estimate(config: Config, stage: int | None = None) -> Estimate:
-    """Compile the config's training step at ``stage`` (default: the config's) and measure it."""
+def estimate(config: Config, stage: int | None = None, devices: list[Any] | None = None) -> Estimate:
+    """Compile the config's training step at ``stage`` (default: the config's) for ``devices``
+    (`compile_step`) and measure it."""
     if stage is not None:
         config = dataclasses.replace(config, zero_optimization=dataclasses.replace(
             config.zero_optimization, stage=stage))
         check_zero(config.zero_optimization)
-    compiled, state, _, model, compile_s = compile_step(config)
+    compiled, state, _, model, compile_s = compile_step(config, devices)
     cfg, mesh = state.config, state.plan.mesh
     mem = profile.memory(compiled)
     comm = profile.comm(compiled)
@@ -170,7 +174,7 @@ def estimate(config: Config, stage: int | None = None) -> Estimate:
     if cfg.zero_optimization.zero_quantized_weights or cfg.zero_optimization.zero_quantized_gradients:
         plain = dataclasses.replace(cfg.zero_optimization, zero_quantized_weights=False,
                                     zero_quantized_gradients=False)
-        plain_step = compile_step(dataclasses.replace(config, zero_optimization=plain)).compiled
+        plain_step = compile_step(dataclasses.replace(config, zero_optimization=plain), devices).compiled
         unquantized = _zero_comm(profile.comm(plain_step), mesh).total_wire_bytes()
     widened = tuple(sorted({f"{c.kind} {c.dtype}->{c.widened_to}" for c in zero.collectives if c.widened_to}))
     return Estimate(stage=cfg.zero_optimization.stage, accumulation=cfg.gradient_accumulation_steps,
@@ -180,8 +184,32 @@ def estimate(config: Config, stage: int | None = None) -> Estimate:
                     analytic=_analytic(state), compile_s=compile_s, all_to_alls=sum(c.count for c in a2a),
                     all_to_all_bytes=sum(c.elements * DTYPE_BYTES.get(c.dtype, 4) * c.count for c in a2a),
                     wire_bytes=zero.total_wire_bytes(), unquantized_wire_bytes=unquantized, widened=widened,
-                    sequence=long_sequence(config, mem) if attention.long_context(model.spec) else {},
-                    model_comm=model_parallel_comm(comm, mesh), pipeline=pipeline_plan(compiled.as_text(), cfg))
+                    sequence=long_sequence(config, mem, devices) if attention.long_context(model.spec) else {},
+                    model_comm=model_parallel_comm(comm, mesh), pipeline=pipeline_plan(compiled.as_text(), cfg),
+                    accelerator=accelerator_comm(compiled, comm, mesh, cfg) if devices else {})
+
+
+def accelerator_comm(compiled: Any, comm: profile.CommReport, mesh: Any, cfg: Config) -> dict[str, float]:
+    """What a target's compiled program moves, by collective kind (GiB each device sends per step in
+    ZeRO's accounting, `profile.Collective.wire_bytes`: the TPU compiler may run an all-gather or a
+    reduce-scatter as an all-reduce, and then it is counted as one), DeepSpeed's formula in the
+    same units (its elements, `profile.analytic`, at jzero's wire dtypes: the updated fp32 params
+    gathered once at stages 1-2, each layer's compute-dtype params twice a micro-batch at stage 3,
+    gradients in the communication dtype), and the share of those bytes the schedule runs beside
+    compute (`overlap.overlapped`)."""
+    out = {f"{kind.replace('-', '_')}_wire_gib": 0.0 for kind in hlo.COLLECTIVES}
+    for (kind, _), nbytes in comm.wire_bytes_by_kind_dtype().items():
+        out[f"{kind.replace('-', '_')}_wire_gib"] += nbytes / GiB
+    out = {k: v for k, v in out.items() if v}
+    policy = precision.policy(cfg)
+    psi, stage, k = profile.memory(compiled).num_params, cfg.zero_optimization.stage, cfg.gradient_accumulation_steps
+    compute, reduced_in = (jax.numpy.dtype(d).itemsize for d in (policy.compute_dtype, policy.comm_dtype))
+    # stages 1-2 gather the updated fp32 params, stage 3 each layer's in the compute dtype twice
+    gathered = {0: 0, 1: 4 * psi, 2: 4 * psi, 3: 2 * k * psi * compute}[stage]
+    reduced = {0: 2, 1: 1, 2: k, 3: k}[stage] * psi * reduced_in
+    out["formula_wire_gib"] = (gathered + reduced) / GiB if data_parallel_size(mesh) > 1 else 0.0
+    out["overlapped_comm_fraction"] = overlap.overlapped(compiled).fraction
+    return out
 
 
 def pipeline_plan(text: str, cfg: Config) -> dict[str, float]:
@@ -217,14 +245,14 @@ def model_parallel_comm(comm: profile.CommReport, mesh: Any) -> dict[str, float]
     return out
 
 
-def long_sequence(config: Config, mem: profile.MemoryReport) -> dict[str, float]:
+def long_sequence(config: Config, mem: profile.MemoryReport, devices: list[Any] | None = None) -> dict[str, float]:
     """What attention and the language-model loss cost per device: attention's share of the
     temporaries (the step compiled once more without attention: `attention.absent`), and where
     the config uses them, what blockwise attention, the tiled loss and the tiled feed-forward
     save (the peak of the same step with naive attention, whole logits, an untiled feed-forward).
     `estimate` asks only for a `attention.long_context` model (each row is another compile)."""
     with attention.absent():
-        bare = profile.memory(compile_step(dataclasses.replace(config)).compiled)
+        bare = profile.memory(compile_step(dataclasses.replace(config), devices).compiled)
     if bare.temp == mem.temp:
         return {}
     out = {"attention_temp_gib": (mem.temp - bare.temp) / GiB}
@@ -232,7 +260,7 @@ def long_sequence(config: Config, mem: profile.MemoryReport) -> dict[str, float]
     for name, change in _savings(config).items():
         other = dataclasses.replace(config, jzero=dataclasses.replace(
             config.jzero, model=dataclasses.replace(model, **change)))
-        out[name] = (profile.memory(compile_step(other).compiled).peak - mem.peak) / GiB
+        out[name] = (profile.memory(compile_step(other, devices).compiled).peak - mem.peak) / GiB
     return out
 
 

@@ -22,6 +22,7 @@ DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16"
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.+?) ([a-z\-]+)\(")
 _SHAPE = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
+_DONE_TARGET = 'custom_call_target="AsyncCollectiveDone"'
 _CALLEE = re.compile(r"(?:calls|to_apply|condition|body|branch_computations|called_computations)="
                      r"\{?(%[\w.\-]+(?:, ?%[\w.\-]+)*)\}?")
 
@@ -52,6 +53,15 @@ class Module(NamedTuple):
         m = _INSTRUCTION.match(self.defs.get(name, ""))
         found = shapes(m.group(2)) if m else []
         return found[0][1] if found else []
+
+    def echoes(self) -> set[str]:
+        """Names of collectives that repeat another: the TPU runs an asynchronous collective as a
+        start fusion holding it, compute fusions it progresses in (``async_collective_fusion*``)
+        and a done fusion, each holding a copy of it (same channel, same shape), so only the
+        start's counts."""
+        return {m.group(1) for comp, lines in self.lines.items()
+                if comp.startswith("async_collective_fusion") or any(_DONE_TARGET in ln for ln in lines)
+                for ln in lines if (m := _INSTRUCTION.match(ln)) and m.group(3) in COLLECTIVES}
 
     def requested_dtype(self, inst: Instruction) -> str | None:
         """The 16-bit dtype a reduction was asked for where the backend widened it, else None."""
@@ -100,7 +110,7 @@ def _execution_counts(instructions: dict[str, list[str]], entry: str | None) -> 
             trip = 1
             if " while(" in line:
                 t = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
-                trip = int(t.group(1)) if t else 1
+                trip = int(t.group(1)) if t else _bound(line, instructions)
             for group in _CALLEE.findall(line):
                 callees = [c.strip().lstrip("%") for c in group.split(",")]
                 shares = _branch_shares(line, len(callees)) if " conditional(" in line else None
@@ -116,6 +126,21 @@ def _execution_counts(instructions: dict[str, list[str]], entry: str | None) -> 
     if entry is not None:
         visit(entry, 1)
     return counts
+
+
+def _bound(line: str, instructions: dict[str, list[str]]) -> int:
+    """A while loop's trip count from its condition where the backend records none (TPU): a
+    counter from 0 compared ``LT`` with a constant, as `jax.lax.scan` and ``fori_loop`` write it;
+    1 for any other loop."""
+    cond = re.search(r"condition=%([\w.\-]+)", line)
+    lines = instructions.get(cond.group(1), []) if cond else []
+    root = next((ln for ln in lines if ln.lstrip().startswith("ROOT ") and " compare(" in ln), "")
+    if "direction=LT" not in root:
+        return 1
+    constants = {m.group(1): int(m.group(2)) for ln in lines
+                 if (m := re.match(r"\s*%([\w.\-]+) = s32\[\]\S* constant\((\d+)\)", ln))}
+    bound = [constants[name] for name in re.findall(r"%([\w.\-]+)", root.split("compare(", 1)[1]) if name in constants]
+    return bound[0] if bound else 1
 
 
 def _branch_shares(line: str, n: int) -> tuple[float, ...] | None:

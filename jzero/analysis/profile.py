@@ -184,14 +184,17 @@ class CommReport:
 
 
 def comm(compiled: Any) -> CommReport:
-    """Every collective in the partitioned HLO of ``compiled`` (or an HLO text)."""
+    """Every collective in the partitioned HLO of ``compiled`` (or an HLO text), once (a TPU
+    asynchronous collective's done fusion repeats it: `hlo.Module.echoes`)."""
     module = hlo.parse(compiled if isinstance(compiled, str) else compiled.as_text())
-    found = []
+    found, echoes = [], module.echoes()
     for inst in module.instructions():
         kind = inst.op.removesuffix("-start")
-        if kind not in COLLECTIVES:
+        if kind not in COLLECTIVES or inst.name in echoes:
             continue
         shapes = hlo.shapes(inst.result)
+        if inst.op in ("all-gather-start", "collective-permute-start"):  # (operands, results[, contexts])
+            shapes = shapes[len(shapes) // 2:] if inst.op == "all-gather-start" else shapes[1:2]
         elements = sum(math.prod(dims) for _, dims in shapes)
         dtype = shapes[0][0] if shapes else "?"
         requested = module.requested_dtype(inst)
@@ -291,11 +294,17 @@ SCOPES = ("embedding", "attention", "mlp", "head", "loss", "optimizer")  # jax.n
 
 
 def bytes_accessed(compiled: Any) -> float:
-    """Bytes read and written per step (per device) from XLA's cost analysis."""
+    """Bytes read and written per step (per device) from XLA's cost analysis (where it gives only
+    each operand's and the output's, as for a TPU Pallas kernel, their sum)."""
     cost = compiled.cost_analysis()
     if isinstance(cost, (list, tuple)):
         cost = cost[0]
-    return float(cost.get("bytes accessed", np.nan)) if cost else float("nan")
+    if not cost:
+        return float("nan")
+    if "bytes accessed" in cost:
+        return float(cost["bytes accessed"])
+    parts = [v for k, v in cost.items() if re.fullmatch(r"bytes accessed(\d+|out)\{\}", k) and v > 0]
+    return float(sum(parts)) if parts else float("nan")
 
 
 def matmul_flops_by_scope(compiled: Any) -> dict[str, float]:

@@ -17,6 +17,7 @@ import traceback
 import warnings
 from typing import Any
 
+from jzero.analysis.target import quiet_platform
 from jzero.cli import autotune, bench, estimate, evaluate, export, generate, launch, profile, serve, train, tune
 from jzero.cli.common import UsageError
 
@@ -25,6 +26,7 @@ COMMANDS = (train, launch, autotune, tune, profile, export, generate, serve, eva
 
 
 def main(argv: list[str] | None = None) -> int:
+    quiet_platform()  # before any command starts JAX
     args = parser().parse_args(argv)
     warnings.showwarning = _one_line_warning
     try:

@@ -8,6 +8,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from jzero.analysis import target
+
 
 class UsageError(Exception):
     """Bad command-line input; the message is shown as one line."""
@@ -68,9 +70,28 @@ def simulate_devices(count: int | None) -> None:
     os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={count}"])
 
 
+def add_target_argument(parser: argparse.ArgumentParser) -> None:
+    """``--target``: compile for this host's devices (default) or an abstract TPU topology."""
+    parser.add_argument("--target", default="cpu", metavar="cpu|tpu:GEN:TOPOLOGY",
+                        help="compile for this host (default) or for TPU devices that are not here, e.g. "
+                             "tpu:v5e:2x2, tpu:v5p:4x4x4 (the TPU compiler: pip install 'jzero[tpu-aot]'); "
+                             "the mesh is the whole topology")
+
+
 def config_on_devices(args: argparse.Namespace) -> dict[str, Any]:
-    """The config with ``--set`` applied and ``--devices`` (else jzero.mesh.devices) simulated."""
+    """The config with ``--set`` applied and ``--devices`` (else jzero.mesh.devices) simulated;
+    with ``--target tpu:...`` the mesh is the topology's devices instead (nothing simulated)."""
     raw = read_overridden(args.config, args.set, getattr(args, "hf", None))
+    try:
+        tpu = target.devices(target.check(getattr(args, "target", target.CPU)))
+    except target.TargetError as e:
+        raise UsageError(str(e)) from None
+    if tpu is not None:
+        if args.devices not in (None, len(tpu)):
+            raise UsageError(f"--devices: {args.devices} with --target {args.target}, whose topology has {len(tpu)} "
+                             "devices (leave --devices out: the mesh is the whole topology)")
+        raw.setdefault("jzero", {}).setdefault("mesh", {})["devices"] = len(tpu)
+        return raw
     if args.devices is not None:
         if args.devices < 1:
             raise UsageError(f"--devices: must be >= 1, got {args.devices}")

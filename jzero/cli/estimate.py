@@ -5,12 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 
-from jzero.cli.common import UsageError, add_config_arguments, config_on_devices, fmt
+from jzero.cli.common import UsageError, add_config_arguments, add_target_argument, config_on_devices, fmt
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     est = sub.add_parser("estimate", help="per-device memory and communication from the compiled step")
     add_config_arguments(est)
+    add_target_argument(est)
     est.add_argument("--stage", type=int, action="append", choices=[0, 1, 2, 3],
                      help="ZeRO stage(s) to estimate (repeatable; default: the config's)")
     est.add_argument("--peak-flops", type=float, help="device peak FLOP/s: prints the step time floor")
@@ -29,19 +30,21 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from jzero.analysis import target
     from jzero.analysis.estimate import estimate, fits
     from jzero.train.resolve import load_config
 
     config = load_config(raw)
     stages = args.stage or [config.zero_optimization.stage]
-    rows = [estimate(config, stage).row() for stage in stages]
+    rows = [estimate(config, stage, target.devices(args.target)).row() for stage in stages]
     if args.peak_flops:
         for row in rows:
             row["step_time_floor_s"] = row["tflops_per_step"] * 1e12 / args.peak_flops
     if args.json:
-        print(json.dumps({"config": args.config, "devices": devices, "stages": rows}, indent=2))
+        print(json.dumps({"config": args.config, "target": args.target, "devices": devices, "stages": rows}, indent=2))
         return 0
-    table = Table(title=f"jzero estimate: {args.config}, {devices} devices, per device")
+    where = f"{devices} devices" + (f" of {args.target}" if args.target != "cpu" else "")
+    table = Table(title=f"jzero estimate: {args.config}, {where}, per device")
     table.add_column("quantity")
     for row in rows:
         table.add_column(f"ZeRO-{row['stage']}", justify="right")
