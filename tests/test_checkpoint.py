@@ -126,6 +126,27 @@ def test_mismatched_model_names_the_first_differing_leaf(saved):
         Checkpointer(saved[0]).restore(target)
 
 
+def test_checkpoint_with_a_retired_hyperparameter_restores(tmp_path, monkeypatch):
+    """A checkpoint from before eps_root became a compiled-in constant (its optimizer state holds
+    ``hyperparams/eps_root``) restores into today's state, every other leaf equal."""
+    from jzero.zero import optim
+
+    init_fn, loss_fn = MODELS["gpt"][0]()
+    cfg = config(1, 1)
+    with monkeypatch.context() as m:
+        m.setattr(optim, "CONSTANT_HYPER", ())
+        old = jzero.init(init_fn, cfg, loss_fn=loss_fn, rng=jax.random.key(0))
+    names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(old.opt_state)[0]]
+    assert any("eps_root" in n for n in names)
+    with Checkpointer(tmp_path, cfg) as ckpt:
+        assert ckpt.save(old, force=True)
+    target = jzero.abstract_init(init_fn, cfg, loss_fn=loss_fn)
+    state = Checkpointer(tmp_path).restore(target)
+    assert_equal_trees(host(state.params), host(old.params))
+    assert not any("eps_root" in jax.tree_util.keystr(p)
+                   for p, _ in jax.tree_util.tree_flatten_with_path(state.opt_state)[0])
+
+
 def test_export_gives_the_trained_logits_and_loads_as_init_params(saved, tmp_path, monkeypatch):
     directory, params, _, _ = saved
     for name in ("load", "loads"):  # no load path may unpickle

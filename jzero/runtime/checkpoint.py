@@ -22,6 +22,7 @@ from __future__ import annotations
 import datetime
 import functools
 import os
+import re
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -282,14 +283,17 @@ class Checkpointer:
         template = _saved_tree(target)
         keep_scale = any(n.startswith("loss_scale/") for n in saved)
         wanted = {n: x for n, x in template.items() if keep_scale or not n.startswith("loss_scale/")}
-        comparable = {n: s for n, s in saved.items() if n in wanted or not n.startswith("loss_scale/")}
+        comparable = {n: s for n, s in saved.items()
+                      if n in wanted or not (n.startswith("loss_scale/") or RETIRED.search(n))}
         mismatch = treepath.first_mismatch({n: x.shape for n, x in wanted.items()}, comparable,
                                            "target state", "checkpoint")
         if mismatch:
             raise CheckpointMismatchError(f"{self.directory} step {step} does not fit the target state: {mismatch}")
         abstract = treepath.nest({n: jax.ShapeDtypeStruct(x.shape, np.dtype(record["leaves"][n]["dtype"]),
                                                           sharding=x.sharding) for n, x in wanted.items()})
-        named = treepath.named_leaves(self._load(step, abstract, ocp.checkpoint_utils.construct_restore_args(abstract)))
+        skipped = any(RETIRED.search(n) and n not in wanted for n in saved)  # read the rest only
+        named = treepath.named_leaves(self._load(step, abstract, ocp.checkpoint_utils.construct_restore_args(abstract),
+                                                 partial=skipped))
         return record, wanted, named
 
     def read_array(self, step: int, name: str) -> np.ndarray:
@@ -318,6 +322,11 @@ class Checkpointer:
             raise _Unreadable(f"its arrays are unreadable ({reason})") from None
         finally:
             handler.close()
+
+
+# Optimizer hyperparameters that earlier versions kept in the state and this one compiles in as
+# constants (`jzero.zero.optim.build`): a checkpoint's copy held that same constant and is skipped.
+RETIRED = re.compile(r"(^|/)hyperparams/eps_root$")
 
 
 def _agree(problem: str | None) -> None:

@@ -10,7 +10,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jzero.zero import dots, hooks, modelaxes, precision
+from jzero.zero import buckets, dots, hooks, modelaxes, precision
 from jzero.zero.mesh import model_parallel
 
 
@@ -33,11 +33,13 @@ def wire(cfg: Any, mesh: Any) -> hooks.Wire:
     """What the config's collectives move: params in the compute dtype, gradients in
     ``communication_data_type``; int8 blocks of ``jzero.quantization_block_size`` elements
     with ZeRO++'s ``zero_quantized_weights`` / ``zero_quantized_gradients``; weight gradients
-    unfolded where ``mesh``'s backend needs it (`jzero.zero.dots`)."""
+    unfolded where ``mesh``'s backend needs it (`jzero.zero.dots`); on TPU leaves moved as they
+    are (`jzero.zero.buckets.rows_are_free`)."""
     pol, zero, block = precision.policy(cfg), cfg.zero_optimization, cfg.jzero.quantization_block_size
+    platform = mesh.devices.flat[0].platform
     return hooks.Wire(pol.compute_dtype, pol.comm_dtype, block if zero.zero_quantized_weights else None,
-                      block if zero.zero_quantized_gradients else None, dots.applies(mesh.devices.flat[0].platform),
-                      leafwise=model_parallel(mesh))
+                      block if zero.zero_quantized_gradients else None, dots.applies(platform),
+                      leafwise=model_parallel(mesh), native=not buckets.rows_are_free(platform))
 
 
 def model_axes(cfg: Any) -> modelaxes.ModelAxes:

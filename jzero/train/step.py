@@ -50,7 +50,7 @@ def train_step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax
         (loss, grads), aux, model_state = pipestep.pipelined_grads(state, state.params, batch, scale), None, None
     else:
         loss, aux, grads, model_state = _accumulated_grads(state, _compute_params(state), batch, rng, scale)
-    scaled_norm = global_norm(grads)  # the one global reduction: also the overflow check
+    scaled_norm = global_norm(grads, plan.mesh.devices.flat[0].platform)  # also the overflow check
     grad_norm = scaled_norm / scale
     divisor = scale
     if cfg.gradient_clipping > 0:
@@ -100,12 +100,14 @@ def overflowed(scaled_norm: jax.Array, grads: Any, accumulation: int) -> jax.Arr
     return ~jnp.isfinite(scaled_norm) | jnp.any(jnp.stack(too_big))
 
 
-def global_norm(grads: Any) -> jax.Array:
-    """The L2 norm over every leaf, each squared apart from the optimizer's own square: XLA
-    merges ``g * g`` here with Adam's (the same expression), and the shared square is then
-    written out in full for both instead of fused into each (+0.2 GB a step at 25M params on
-    XLA:CPU; benchmarks/overhead.py). The barrier hides that they are the same values."""
-    return optax.tree.norm(jax.lax.optimization_barrier(grads))
+def global_norm(grads: Any, platform: str) -> jax.Array:
+    """The L2 norm over every leaf; on XLA:CPU each squared apart from the optimizer's own
+    square: XLA:CPU merges ``g * g`` here with Adam's (the same expression), and the shared square
+    is then written out in full for both instead of fused into each (+0.2 GB a step at 25M params;
+    benchmarks/overhead.py), so a barrier hides that they are the same values. The TPU compiler
+    fuses the norm into the optimizer's pass over the gradients, which the barrier would prevent
+    (a second read of every gradient: 3% more bytes than a hand-written step)."""
+    return optax.tree.norm(jax.lax.optimization_barrier(grads) if platform == "cpu" else grads)
 
 
 def _apply_update(state: TrainState, grads: Any, divisor: jax.Array, overflow: jax.Array) -> tuple[Any, Any]:
@@ -130,12 +132,16 @@ def _apply_update(state: TrainState, grads: Any, divisor: jax.Array, overflow: j
 def _to_stored(params: Any, plan: Any) -> Any:
     """The new params moved from the update layout to the stored one: at stages 1-2 each
     leaf's all-gather over its ZeRO group, written out (`buckets.all_gather`: whole chunks put in
-    place, where GSPMD's all-gather transposes the array element by element, twice)."""
+    place, where GSPMD's all-gather transposes the array element by element, twice; on TPU the
+    leaf's own all-gather, `buckets.rows_are_free`)."""
+    rows = buckets.rows_are_free(plan.mesh.devices.flat[0].platform)
+
     def one(p: jax.Array, update: Any, stored: Any) -> jax.Array:
         if update.spec == stored.spec:
             return p
         red = hooks.reduction(update.spec)
-        gather = functools.partial(buckets.all_gather, dim=red.dim, axes=red.scatter)
+        gather = (functools.partial(buckets.all_gather, dim=red.dim, axes=red.scatter) if rows else
+                  functools.partial(jax.lax.all_gather, axis_name=red.scatter, axis=red.dim, tiled=True))
         # check_vma off: an all-gather's result is the same on every device of the group, which
         # JAX's varying-axes types do not record
         return jax.shard_map(gather, mesh=plan.mesh, in_specs=update.spec, out_specs=stored.spec,

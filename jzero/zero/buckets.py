@@ -13,7 +13,7 @@ i-th chunk along ``d`` (`chunks`), so every device's part of the bucket is its c
 one after another, each already laid out as the leaf's shard. XLA:CPU, asked to reduce-scatter
 or all-gather along an inner dimension, transposes the whole array element by element to make
 that dimension the outermost and back after; rows move chunks as runs of contiguous memory, and
-nothing moves back.
+nothing moves back. On TPU none of this applies (`rows_are_free`).
 """
 from __future__ import annotations
 
@@ -25,6 +25,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from jzero.zero.mesh import psum
+
+
+def rows_are_free(platform: str) -> bool:
+    """Whether ``platform`` (a device's ``.platform``) turns a leaf into rows and back for free:
+    row-major layouts (CPU, GPU) reshape by a bitcast. TPU arrays are laid out in tiles, so there
+    each reshape is a copy of the whole leaf (and the bitcast of 16-bit values to raw bits another,
+    `jzero.zero.bits`), while its collectives take any dimension of any dtype: on TPU the leaves
+    move as they are, one collective each, and its compiler combines them."""
+    return platform != "tpu"
 
 
 def all_reduce(gs: Sequence[jax.Array], over: tuple[str, ...]) -> list[jax.Array]:

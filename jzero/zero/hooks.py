@@ -109,6 +109,7 @@ class Wire(NamedTuple):
     grads: int | None = None
     unfold: bool = False  # keep weight-gradient dots out of XLA:CPU's slow form (`jzero.zero.dots`)
     leafwise: bool = False  # the model axes are the compiler's: reduce leaf by leaf, never flattened
+    native: bool = False  # TPU: every leaf moves as it is, in its dtype (`buckets.rows_are_free`)
 
 
 @dataclass(frozen=True, eq=False)
@@ -195,7 +196,7 @@ def reduce(cts: Sequence[jax.Array], reds: Sequence[Reduce], wire: Wire) -> list
     for (whole, scatter, over), idx in shared.items():
         gs = [cts[i].astype(wire.comm) for i in idx]
         dims = [reds[i].dim for i in idx]
-        if wire.leafwise and not whole:
+        if (wire.leafwise or wire.native) and not whole:
             summed = [on_model_blocks(functools.partial(buckets.reduce_scatter_each, dims=[d], scatter=scatter,
                                                         over=over), reds[i].model)([g])[0]
                       for g, d, i in zip(gs, dims, idx, strict=True)]
@@ -227,6 +228,9 @@ def _use(value: jax.Array, kind: str, red: Reduce, wire: Wire) -> jax.Array:
         full = value.astype(wire.compute)
     elif zeropp.can_gather(value, wire.weights):
         full = zeropp.gather(value, red.dim, red.scatter, wire.compute, wire.weights)
+    elif wire.native:
+        full = on_model_blocks(lambda x: jax.lax.all_gather(x, red.scatter, axis=red.dim, tiled=True),
+                               red.model)(value.astype(wire.compute))
     else:
         moved = on_model_blocks(lambda x: jax.lax.all_gather(x, red.scatter, axis=red.dim, tiled=True),
                                 red.model)(bits.raw(value.astype(wire.compute)))

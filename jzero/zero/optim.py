@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
@@ -68,6 +69,13 @@ def validate(opt: OptimizerConfig) -> OptimizerConfig:
     return OptimizerConfig(type=name, params=params)
 
 
+# Defaults that stay compiled-in constants: injected, `optax.inject_hyperparams` turns a default
+# into state, and eps_root (0 in every DeepSpeed optimizer) then costs ``nu + 0``, one more pass
+# over every element (+1 FLOP a param; benchmarks/overhead.py --target). Checkpoints written while
+# it was state still restore (`jzero.runtime.checkpoint.RETIRED`).
+CONSTANT_HYPER = ("eps_root",)
+
+
 def build(cfg: Config, lr: schedules.Schedule | None = None) -> Optimizer:
     """The optax transformation and its schedules for the resolved ``cfg.optimizer`` / ``cfg.scheduler``;
     ``lr``: this lr schedule instead of the config's (the lr range test's sweep)."""
@@ -86,6 +94,7 @@ def build(cfg: Config, lr: schedules.Schedule | None = None) -> Optimizer:
         # be float32 arrays and (1 - b) round differently (a client optax.adamw would drift ~2e-6
         # from the config's AdamW over 20 steps). Scheduled ones (OneCycle's beta1) are injected.
         static = tuple(k for k, v in hyper.items() if isinstance(v, bool) or (k in ("b1", "b2") and not callable(v)))
+        static += tuple(k for k in CONSTANT_HYPER if k in inspect.signature(factory).parameters)
         return optax.inject_hyperparams(factory, static_args=static)(**hyper)
 
     return Optimizer(groups.wrap(cfg, one), sched)
