@@ -12,6 +12,8 @@ the hand-written step of the same repetition.
     python benchmarks/overhead.py --fast           # before merging a change to the step, hooks or layers
     python benchmarks/overhead.py --baseline-rev HEAD~1   # also jzero at REV, from a temporary worktree
     python benchmarks/overhead.py --profile --groups 25M/fp32/2 --stages 1   # where the time goes
+    python benchmarks/overhead.py --groups 25M/fp32/2/plain 25M/fp32/2/linen  # a user's models (user_models.py)
+    python benchmarks/overhead.py --target tpu:v5e:2x2   # TPU-compiled: FLOPs, bytes, memory, comm
 
 Each checkout runs in its own worker process (the current one also runs the hand-written step), fed
 one variant at a time, so repetitions interleave across checkouts too. Writes
@@ -25,6 +27,8 @@ import sys
 
 if __name__ == "__main__" and {"--serve", "--profile"} & set(sys.argv):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+if __name__ == "__main__" and "--target" in sys.argv:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # TPU programs are compiled for abstract devices; no probe
 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
@@ -42,7 +46,7 @@ SIZES = {"3M": dict(d_model=256, n_layers=4, n_heads=4, d_ff=1024),
          "25M": dict(d_model=512, n_layers=8, n_heads=8, d_ff=2048)}
 BATCH, SEQ, LR, WEIGHT_DECAY = 16, 128, 1e-3, 0.01
 HAND = "hand-written"
-HAND_NORM = "hand-written + grad norm"  # a control: the same step also returning optax.global_norm(grads)
+HAND_NORM = "hand-written + grad norm"  # a control: the same step also returning optax.tree.norm(grads)
 STAGES = [f"stage {s}" for s in range(4)]
 FULL = [("3M", "fp32", 2), ("3M", "bf16", 2), ("25M", "fp32", 2), ("25M", "bf16", 2), ("25M", "fp32", 8)]
 FAST = [("25M", "fp32", 2)]
@@ -67,11 +71,34 @@ def _batch(sharding) -> dict:
     return {"inputs": jax.device_put(tok[:, :-1], sharding), "targets": jax.device_put(tok[:, 1:], sharding)}
 
 
-def _hand_written(init_fn, loss_fn, dtype: str, devices, norm: bool):
-    """The step a JAX user writes: jit, value_and_grad, optax.adamw, GSPMD's data parallelism;
-    with ``norm`` it also returns the gradients' global norm, as jzero's step does."""
+def hand_step(loss_fn, tx, dtype: str, norm: bool, clip: float = 0.0):
+    """The step a JAX user writes: value_and_grad of the loss on params cast to the compute dtype
+    (fp32 master), optax's update; with ``norm`` it also returns the gradients' global norm, as
+    jzero's step does, and with ``clip`` > 0 scales them to at most that norm, as jzero's
+    ``gradient_clipping`` does (the same math, so the comparison is honest)."""
     import jax
     import jax.numpy as jnp
+    import optax
+
+    low = jnp.bfloat16 if dtype == "bf16" else jnp.float32
+
+    def step(state, batch):
+        params, opt_state = state
+        cast = jax.tree.map(lambda p: p.astype(low), params)
+        loss, grads = jax.value_and_grad(lambda p: loss_fn(p, batch, jax.random.key(0)))(cast)
+        grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+        gnorm = optax.tree.norm(grads) if norm or clip else None
+        if clip:
+            grads = jax.tree.map(lambda g: g * jnp.minimum(1.0, clip / (gnorm + 1e-6)), grads)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), (loss, gnorm if norm else None)
+
+    return step
+
+
+def _hand_written(init_fn, loss_fn, dtype: str, devices, norm: bool):
+    """`hand_step` on replicated params and a batch sharded over ``devices`` (GSPMD's data parallelism)."""
+    import jax
     import numpy as np
     import optax
     from jax.sharding import NamedSharding
@@ -80,16 +107,7 @@ def _hand_written(init_fn, loss_fn, dtype: str, devices, norm: bool):
     mesh = jax.sharding.Mesh(np.array(devices), ("data",))
     params = jax.device_put(jax.jit(init_fn)(jax.random.key(0)), NamedSharding(mesh, P()))
     tx = optax.adamw(LR, weight_decay=WEIGHT_DECAY)
-    low = jnp.bfloat16 if dtype == "bf16" else jnp.float32
-
-    def step(state, batch):
-        params, opt_state = state
-        cast = jax.tree.map(lambda p: p.astype(low), params)
-        loss, grads = jax.value_and_grad(lambda p: loss_fn(p, batch, jax.random.key(0)))(cast)
-        grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return (optax.apply_updates(params, updates), opt_state), (loss, optax.global_norm(grads) if norm else None)
-
+    step = hand_step(loss_fn, tx, dtype, norm)
     return jax.jit(step, donate_argnums=(0,)), (params, tx.init(params)), _batch(NamedSharding(mesh, P("data")))
 
 
@@ -105,13 +123,20 @@ def _jzero(init_fn, loss_fn, dtype: str, devices, stage: int):
     return jzero.train_step, state, _batch(state.plan.batch)
 
 
-def _build(size: str, dtype: str, n: int, variant: str):
-    """(step, state, batch) of ``variant`` for the group, compiled and warmed up by two steps (the
-    hand-written step compiles again on its second call: its output's layout is not its input's)."""
+def _build(group: tuple, variant: str):
+    """(step, state, batch) of ``variant`` for the group (size, dtype, devices[, model]), compiled
+    and warmed up by two steps (the hand-written step compiles again on its second call: its
+    output's layout is not its input's)."""
     import jax
 
-    gpt = _gpt_module()
-    init_fn, loss_fn = gpt.make(gpt.GPTConfig(vocab_size=256, seq_len=SEQ, **SIZES[size]))
+    size, dtype, n, model = (*group, "gpt")[:4]
+    if model == "gpt":  # through _gpt_module: a baseline checkout may predate the models folder
+        gpt = _gpt_module()
+        init_fn, loss_fn = gpt.make(gpt.GPTConfig(vocab_size=256, seq_len=SEQ, **SIZES[size]))
+    else:
+        import user_models
+
+        init_fn, loss_fn = user_models.make(model, vocab_size=256, seq_len=SEQ, **SIZES[size])
     devices = jax.devices()[:n]
     if variant in (HAND, HAND_NORM):
         step, state, batch = _hand_written(init_fn, loss_fn, dtype, devices, norm=variant == HAND_NORM)
@@ -137,7 +162,7 @@ def serve() -> None:
             jax.clear_caches()
         try:
             if req["variant"] not in built:
-                built[req["variant"]] = list(_build(*group, req["variant"]))
+                built[req["variant"]] = list(_build(group, req["variant"]))
             entry = built[req["variant"]]
             times = []
             for _ in range(req["steps"]):
@@ -161,7 +186,7 @@ def profile(group: tuple, variants: list[str], steps: int) -> None:
     import jax
 
     for variant in [HAND, HAND_NORM, *variants]:
-        step, state, batch = _build(*group, variant)
+        step, state, batch = _build(group, variant)
         compiled = step.lower(state, batch).compile()
         cost = compiled.cost_analysis()
         cost = cost[0] if isinstance(cost, list) else cost
@@ -239,11 +264,12 @@ def measure(workers: list[Worker], groups: list[tuple], reps: int, steps: int, s
 
 def summarize(group: tuple, samples: dict) -> list[dict]:
     """Rows of one group: median step, tokens/s per repetition, median ratio to hand-written."""
-    size, dtype, n = group
+    size, dtype, n, model = (*group, "gpt")[:4]
     base = samples[(next(iter(samples))[0], HAND)]
     rows = []
     for (label, variant), secs in samples.items():
-        row = {"model": size, "dtype": dtype, "devices": n, "checkout": label, "variant": variant}
+        row = {"model": size if model == "gpt" else f"{model} {size}", "dtype": dtype, "devices": n,
+               "checkout": label, "variant": variant}
         errors = [s for s in secs if isinstance(s, str)]
         if errors or any(isinstance(b, str) for b in base):
             rows.append({**row, "error": (errors or ["hand-written step failed"])[0]})
@@ -301,6 +327,19 @@ def write(rows: list[dict], out: Path, name: str, meta: dict) -> None:
     plot(rows, out / f"{name}.png")
 
 
+def cost_mode(args: argparse.Namespace) -> None:
+    """``--target``: the compiled-cost table (`overhead_cost`), written as overhead_TARGET.{json,md,png}."""
+    import overhead_cost
+
+    name = "overhead_" + args.target.replace(":", "_")
+    meta = {"target": args.target, "batch": BATCH, "seq": SEQ, "size": args.size}
+    rows = overhead_cost.measure(args.target, args.models, SIZES, args.size, args.dtypes, args.clip, args.stages,
+                                 BATCH, SEQ, LR, WEIGHT_DECAY,
+                                 lambda rows: overhead_cost.write(rows, args.out, name, meta))
+    print(overhead_cost.markdown(rows))
+    print(f"wrote {args.out / name}.json, .md, .png")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fast", action="store_true", help="25M fp32 at 2 devices, 2 reps: the pre-merge check")
@@ -312,10 +351,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--profile", action="store_true",
                         help="instead of timing: opcodes, bytes and time per op of the first group's variants")
+    parser.add_argument("--target", help="compiled-cost mode (overhead_cost.py): compile, never run, for this "
+                        "target, e.g. tpu:v5e:2x2; FLOPs, bytes, peak memory and collective bytes vs hand-written")
+    parser.add_argument("--models", nargs="+", default=["gpt", "plain", "linen"],
+                        help="cost mode: models (user_models.py)")
+    parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"], help="cost mode")
+    parser.add_argument("--clip", nargs="+", type=float, default=[0.0, 1.0], help="cost mode: gradient_clipping values")
+    parser.add_argument("--size", default="25M", choices=sorted(SIZES), help="cost mode: model size")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve:
         return serve()
+    if args.target:
+        return cost_mode(args)
     groups = ([tuple(int(p) if p.isdigit() else p for p in g.split("/")) for g in args.groups] if args.groups
               else FAST if args.fast else FULL)
     if args.profile:
