@@ -44,7 +44,7 @@ class Estimate:
     grads_bytes: int  # the gradient buffer per device (full at stages 0-1, else Plan.grads), part of temp
     comm_elements: int
     comm_ring_bytes: float
-    flops: float
+    flops: float | None  # None for a TPU target: its matmuls are windowed convolutions `profile.flops` cannot count
     analytic: profile.Analytic
     compile_s: float
     all_to_alls: int = 0  # MoE token dispatch: all-to-alls per step
@@ -79,7 +79,7 @@ class Estimate:
             "comm_ring_gib": self.comm_ring_bytes / GiB,
             "wire_gib": self.wire_bytes / GiB,
             **self._quantized(),
-            "tflops_per_step": self.flops / 1e12,
+            **({} if self.flops is None else {"tflops_per_step": self.flops / 1e12}),
             "compile_s": self.compile_s,
             **self._experts(),
             **self.sequence,
@@ -180,7 +180,7 @@ def estimate(config: Config, stage: int | None = None, devices: list[Any] | None
     return Estimate(stage=cfg.zero_optimization.stage, accumulation=cfg.gradient_accumulation_steps,
                     mesh=dict(mesh.shape), num_params=mem.num_params,
                     memory=mem, grads_bytes=grads, comm_elements=zero.total_elements(),
-                    comm_ring_bytes=comm.total_ring_bytes(), flops=profile.flops(compiled),
+                    comm_ring_bytes=comm.total_ring_bytes(), flops=None if devices else profile.flops(compiled),
                     analytic=_analytic(state), compile_s=compile_s, all_to_alls=sum(c.count for c in a2a),
                     all_to_all_bytes=sum(c.elements * DTYPE_BYTES.get(c.dtype, 4) * c.count for c in a2a),
                     wire_bytes=zero.total_wire_bytes(), unquantized_wire_bytes=unquantized, widened=widened,

@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     stages = args.stage or [config.zero_optimization.stage]
     rows = [estimate(config, stage, target.devices(args.target)).row() for stage in stages]
     if args.peak_flops:
-        for row in rows:
+        for row in (r for r in rows if "tflops_per_step" in r):
             row["step_time_floor_s"] = row["tflops_per_step"] * 1e12 / args.peak_flops
     if args.json:
         print(json.dumps({"config": args.config, "target": args.target, "devices": devices, "stages": rows}, indent=2))
