@@ -328,10 +328,10 @@ def write(rows: list[dict], out: Path, name: str, meta: dict) -> None:
 
 
 def cost_mode(args: argparse.Namespace) -> None:
-    """``--target``: the compiled-cost table (`overhead_cost`), written as overhead_TARGET.{json,md,png}."""
+    """``--target``: the compiled-cost table (`overhead_cost`), written as overhead_TARGET_SIZE.{json,md,png}."""
     import overhead_cost
 
-    name = "overhead_" + args.target.replace(":", "_")
+    name = f"overhead_{args.target.replace(':', '_')}_{args.size}"
     meta = {"target": args.target, "batch": BATCH, "seq": SEQ, "size": args.size}
     rows = overhead_cost.measure(args.target, args.models, SIZES, args.size, args.dtypes, args.clip, args.stages,
                                  BATCH, SEQ, LR, WEIGHT_DECAY,

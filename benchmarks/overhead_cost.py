@@ -56,8 +56,11 @@ def _jzero(init_fn, loss_fn, devices, dtype: str, clip: float, stage: int, batch
 
     import jzero
 
+    # bf16: gradients reduced in bf16, as the hand-written step's GSPMD all-reduce of its bf16
+    # gradients is (jzero's default reduces them in fp32: twice the wire, more exact)
+    same_math = {"communication_data_type": "bf16"} if dtype == "bf16" else {}
     cfg = jzero.load_config({
-        "train_batch_size": batch, "gradient_clipping": clip, "bf16": {"enabled": dtype == "bf16"},
+        "train_batch_size": batch, "gradient_clipping": clip, "bf16": {"enabled": dtype == "bf16"}, **same_math,
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
         "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": wd}}}, dp_size=len(devices))
     state = jzero.abstract_init(init_fn, cfg, loss_fn=loss_fn, mesh=jzero.make_mesh(cfg, devices=devices))
