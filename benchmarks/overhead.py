@@ -320,11 +320,13 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def write(rows: list[dict], out: Path, name: str, meta: dict) -> None:
+def write(rows: list[dict], out: Path, name: str, meta: dict, table=None, figure=None) -> None:
+    """NAME.json, NAME.md and NAME.png under ``out``: this table and figure, or the given ones
+    (the cost mode's, `overhead_cost`)."""
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps({**meta, "rows": rows}, indent=2))
-    (out / f"{name}.md").write_text(markdown(rows))
-    plot(rows, out / f"{name}.png")
+    (out / f"{name}.md").write_text((table or markdown)(rows))
+    (figure or plot)(rows, out / f"{name}.png")
 
 
 def cost_mode(args: argparse.Namespace) -> None:
@@ -335,7 +337,8 @@ def cost_mode(args: argparse.Namespace) -> None:
     meta = {"target": args.target, "batch": BATCH, "seq": SEQ, "size": args.size}
     rows = overhead_cost.measure(args.target, args.models, SIZES, args.size, args.dtypes, args.clip, args.stages,
                                  BATCH, SEQ, LR, WEIGHT_DECAY,
-                                 lambda rows: overhead_cost.write(rows, args.out, name, meta))
+                                 lambda rows: write(rows, args.out, name, meta, overhead_cost.markdown,
+                                                    overhead_cost.plot))
     print(overhead_cost.markdown(rows))
     print(f"wrote {args.out / name}.json, .md, .png")
 

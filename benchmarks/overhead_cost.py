@@ -10,7 +10,6 @@ figures hold one layer; the plain and Linen models unroll theirs and count all.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -137,9 +136,3 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
-
-def write(rows: list[dict], out: Path, name: str, meta: dict) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps({**meta, "rows": rows}, indent=2))
-    (out / f"{name}.md").write_text(markdown(rows))
-    plot(rows, out / f"{name}.png")
