@@ -27,8 +27,8 @@ import sys
 
 if __name__ == "__main__" and {"--serve", "--profile"} & set(sys.argv):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-if __name__ == "__main__" and "--target" in sys.argv:
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # TPU programs are compiled for abstract devices; no probe
+if __name__ == "__main__":  # simulated CPU devices; --target compiles for abstract TPU ones: no TPU probe
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402

@@ -39,6 +39,7 @@ from jzero.runtime import distributed
 from jzero.runtime.loops import draining
 from jzero.train import state as state_lib
 from jzero.zero import precision, treepath
+from jzero.zero.mesh import platform
 from jzero.zero.sharding import HOST_KINDS
 
 FORMAT = "jzero-checkpoint"
@@ -373,7 +374,7 @@ def _record(state: Any, named: dict[str, jax.Array], sums: Sequence[Any], data_p
         "saved_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "step": int(state.step),
         "mesh": {"shape": {k: int(v) for k, v in plan.mesh.shape.items()}, "devices": int(plan.mesh.size),
-                 "platform": plan.mesh.devices.flat[0].platform},
+                 "platform": platform(plan.mesh)},
         "zero_stage": plan.stage,
         "param_count": sum(dtypes.values()), "param_dtypes": dtypes,
         "rng_impl": str(jax.random.key_impl(state.rng)) if jnp.issubdtype(state.rng.dtype, jax.dtypes.prng_key)

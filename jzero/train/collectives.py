@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from jzero.zero import buckets, dots, hooks, modelaxes, precision
-from jzero.zero.mesh import model_parallel
+from jzero.zero.mesh import model_parallel, platform
 
 
 def zeros_like_shard(g: jax.Array, layout: Any) -> jax.Array:
@@ -36,10 +36,10 @@ def wire(cfg: Any, mesh: Any) -> hooks.Wire:
     unfolded where ``mesh``'s backend needs it (`jzero.zero.dots`); on TPU leaves moved as they
     are (`jzero.zero.buckets.rows_are_free`)."""
     pol, zero, block = precision.policy(cfg), cfg.zero_optimization, cfg.jzero.quantization_block_size
-    platform = mesh.devices.flat[0].platform
+    on = platform(mesh)
     return hooks.Wire(pol.compute_dtype, pol.comm_dtype, block if zero.zero_quantized_weights else None,
-                      block if zero.zero_quantized_gradients else None, dots.applies(platform),
-                      leafwise=model_parallel(mesh), native=not buckets.rows_are_free(platform))
+                      block if zero.zero_quantized_gradients else None, dots.applies(on),
+                      leafwise=model_parallel(mesh), native=not buckets.rows_are_free(on))
 
 
 def model_axes(cfg: Any) -> modelaxes.ModelAxes:

@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 from jzero.train import collectives, pipestep
 from jzero.train.state import TrainState
 from jzero.zero import buckets, fused, groups, hooks, modelaxes, modelstate, optim, phase, precision, treepath
-from jzero.zero.mesh import DATA_AXES, STAGE, axis_index, data_parallel_size, over_data, pmean, psum
+from jzero.zero.mesh import DATA_AXES, STAGE, axis_index, data_parallel_size, over_data, platform, pmean, psum
 from jzero.zero.rows import split_over
 from jzero.zero.sharding import ZERO_RULES
 
@@ -50,7 +50,7 @@ def train_step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax
         (loss, grads), aux, model_state = pipestep.pipelined_grads(state, state.params, batch, scale), None, None
     else:
         loss, aux, grads, model_state = _accumulated_grads(state, _compute_params(state), batch, rng, scale)
-    scaled_norm = global_norm(grads, plan.mesh.devices.flat[0].platform)  # also the overflow check
+    scaled_norm = global_norm(grads, platform(plan.mesh))  # also the overflow check
     grad_norm = scaled_norm / scale
     divisor = scale
     if cfg.gradient_clipping > 0:
@@ -134,7 +134,7 @@ def _to_stored(params: Any, plan: Any) -> Any:
     leaf's all-gather over its ZeRO group, written out (`buckets.all_gather`: whole chunks put in
     place, where GSPMD's all-gather transposes the array element by element, twice; on TPU the
     leaf's own all-gather, `buckets.rows_are_free`)."""
-    rows = buckets.rows_are_free(plan.mesh.devices.flat[0].platform)
+    rows = buckets.rows_are_free(platform(plan.mesh))
 
     def one(p: jax.Array, update: Any, stored: Any) -> jax.Array:
         if update.spec == stored.spec:
@@ -303,7 +303,7 @@ def _casts_per_layer(plan: Any, hooked: Any, compute_dtype: Any) -> bool:
     so each layer casts its own params (`_one_batch`): on XLA:CPU only, where it is fast; elsewhere
     the zeros cost a fill and an add over every gradient (TPU: 1.066x a hand-written bf16 step's
     bytes accessed, 0.993x without)."""
-    return plan.mesh.devices.flat[0].platform == "cpu" and hooked is None and compute_dtype != jnp.float32
+    return platform(plan.mesh) == "cpu" and hooked is None and compute_dtype != jnp.float32
 
 
 def _one_batch(grad_fn, rows: Any, rng: jax.Array, zeros: Any, model_state: Any):

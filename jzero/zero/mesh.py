@@ -169,5 +169,11 @@ def expert_size(config: Config, num_devices: int) -> int:
     return ep
 
 
+def platform(mesh: Mesh) -> str:
+    """The platform of ``mesh``'s devices ("cpu", "gpu", "tpu"): abstract TPU devices of a
+    compile-only target say "tpu" on a CPU host, so backend choices follow the mesh, not the host."""
+    return mesh.devices.flat[0].platform
+
+
 def data_parallel_size(mesh: Mesh) -> int:
     return int(np.prod([mesh.shape[a] for a in DATA_AXES]))
